@@ -1,0 +1,85 @@
+"""Pieces every walkthrough shares: the --model flag, the engine roles, printing."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from rich.console import Console
+from rich.table import Table
+
+from nanoengine import LLM
+from nanoengine.core.kv_cache_manager import KVCacheManager
+from nanoengine.core.kv_cache_sizing import max_concurrency
+from nanoengine.core.sched.scheduler import Scheduler
+from nanoengine.engine.core import EngineCore
+from nanoengine.utils.component_tree import code_location
+
+console = Console()
+T = TypeVar("T")
+
+# The seed note's two prompts (chapter 1 and 5 use them verbatim).
+SEED_PROMPTS = ["你好，请用一句话介绍你自己", "写一个把列表倒序的 Python 函数"]
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="short name, local HF dir or hub id")
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per prompt")
+    return parser
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+@dataclass
+class Role:
+    """One of chapter 1's three roles and the code that plays it."""
+
+    name: str
+    code: Any
+    chapter: str
+
+
+THREE_ROLES = [
+    Role("engine loop", EngineCore.step, "chapter 7"),
+    Role("scheduler", Scheduler.schedule, "chapter 3"),
+    Role("KV cache manager", KVCacheManager, "chapter 4"),
+]
+
+
+def roles_table() -> Table:
+    """Where each role lives, computed from the code itself."""
+    table = Table(title="The three roles and where they live")
+    table.add_column("role")
+    table.add_column("code")
+    table.add_column("source")
+    table.add_column("explained in")
+    for role in THREE_ROLES:
+        table.add_row(role.name, role.code.__qualname__, str(code_location(role.code)), role.chapter)
+    return table
+
+
+def construction_table(llm: LLM) -> Table:
+    """What LLM(...) prepared: the construction steps and the KV cache they sized."""
+    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+    table = Table(title="LLM(...) prepares: construction steps")
+    table.add_column("step")
+    table.add_column("seconds", justify="right")
+    for step, seconds in core.startup_timings.items():
+        table.add_row(step, f"{seconds:.2f}")
+    kv = core.kv_cache_config
+    max_len = core.engine_config.model_config.max_model_len
+    table.caption = (
+        f"=> KV cache: {kv.num_blocks} blocks x {kv.block_size} tokens = {kv.num_blocks * kv.block_size} tokens "
+        f"({kv.total_bytes / 2**20:.0f} MiB); {max_concurrency(kv, max_len):.1f} requests of "
+        f"max_model_len={max_len} fit at once"
+    )
+    return table

@@ -1,0 +1,43 @@
+"""The contract between the model runner and an attention backend.
+
+Chapter 7 (``generate(...)``) builds this metadata for a real step; chapter 4
+explains the block table and slot mapping it carries.
+vLLM 0.32 counterpart: ``vllm/v1/attention/backends/`` (``AttentionMetadata``
+per backend, built by an ``AttentionMetadataBuilder`` in the model runner).
+
+All scheduled tokens of all requests are flattened into one batch of
+``num_actual_tokens`` rows. Requests are ordered decodes first (exactly one query
+token each), then prefills (a whole prompt, or one chunk of it), as vLLM's
+``reorder_batch`` does, so a backend can treat the first ``num_decodes`` requests
+as a uniform batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's K/V goes and which cached K/V each query may read."""
+
+    num_actual_tokens: int
+    num_reqs: int
+    num_decodes: int  # the first num_decodes requests have query_len == 1
+    # Token index where each request's queries start; request i owns
+    # rows [query_start_loc[i], query_start_loc[i + 1]).
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on device
+    # Tokens in the KV cache for each request once this step's tokens are written
+    # (computed before + scheduled now): the key length each query sees at most.
+    seq_lens: torch.Tensor  # [num_reqs] int32, on device
+    # Row i lists request i's physical block ids, padded with 0 past its end.
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on device
+    # Flat cache slot (block_id * block_size + offset) for each scheduled token.
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64, on device
+    max_query_len: int
+    max_seq_len: int
+    # The same offsets as Python lists: reference loops index them without syncs.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]

@@ -1,0 +1,144 @@
+"""The reference paged-attention backend: plain torch, readable, any device.
+
+Chapter 7 (what "attention over a paged KV cache" actually computes); chapter 4
+explains the block table and slot mapping it reads.
+vLLM 0.32 counterpart: ``vllm/v1/attention/backends/`` — closest in spirit is
+``cpu_attn.py`` (``CPUAttentionBackendImpl``); ``flash_attn.py`` does the same job
+with one fused CUDA kernel.
+
+One step's batch is flattened: decodes first (one query each), then prefills or
+prefill chunks. The backend does two things:
+
+1. **Write**: this step's K/V rows go to their cache slots
+   (``slot_mapping[t] = block_id * block_size + offset``).
+2. **Read and attend**: each request gathers its K/V from the blocks listed in
+   its block-table row, positions ``0 .. seq_len - 1``, and attends to them.
+
+Decodes are batched into one ``scaled_dot_product_attention`` call (padded to the
+longest ``seq_len``, masked beyond each request's own); prefills run one request
+at a time with a causal mask shifted by the tokens already in the cache, which is
+what makes chunked prefill and prefix-cache hits correct.
+
+A cache slot that was never written may hold anything (``torch.empty`` memory can
+even hold NaN). A mask alone does not protect against that: the softmax weight is
+0 there, but ``0 * NaN`` is still NaN. So padding positions are zeroed *before*
+they meet a query, and prefills only ever gather valid positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoengine.attention.backends.abstract import AttentionMetadata
+
+
+def write_to_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter key/value [num_tokens, num_kv_heads, head_dim] into their slots.
+
+    ``kv_cache`` is [2, num_blocks, block_size, num_kv_heads, head_dim]; viewing
+    each half as [num_blocks * block_size, ...] makes a slot id a plain row index.
+    """
+    key_rows = kv_cache[0].flatten(0, 1)  # [num_slots, num_kv_heads, head_dim], a view
+    value_rows = kv_cache[1].flatten(0, 1)
+    key_rows[slot_mapping] = key.to(kv_cache.dtype)
+    value_rows[slot_mapping] = value.to(kv_cache.dtype)
+
+
+def gather_kv(cache_half: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """The K (or V) of whole blocks, laid end to end.
+
+    cache_half [num_blocks, block_size, H, D]; block_ids [..., n] ->
+    [..., n * block_size, H, D], token position p of the request at row p.
+    """
+    return cache_half[block_ids.long()].flatten(-4, -3)
+
+
+class TorchRefAttentionImpl:
+    """Write-then-attend over the paged cache, as described in the module docstring."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """query [T, Hq, D]; key/value [T, Hkv, D]; returns [T, Hq, D].
+
+        Rows past ``num_actual_tokens`` (padding a runner may add) come back zero.
+        """
+        n = attn_metadata.num_actual_tokens
+        write_to_kv_cache(key[:n], value[:n], kv_cache, attn_metadata.slot_mapping[:n])
+        output = torch.zeros_like(query)
+        num_decodes = attn_metadata.num_decodes
+        if num_decodes > 0:
+            # Decodes come first and own exactly one row each: rows 0 .. num_decodes-1.
+            output[:num_decodes] = self._decode_batch(query[:num_decodes], kv_cache, attn_metadata, scale)
+        qsl = attn_metadata.query_start_loc_cpu
+        for i in range(num_decodes, attn_metadata.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
+            output[start:end] = self._prefill_one(query[start:end], kv_cache, attn_metadata, i, scale)
+        return output
+
+    def _decode_batch(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """All decode requests in one SDPA call. query [num_decodes, Hq, D]."""
+        num_decodes = query.shape[0]
+        block_size = kv_cache.shape[2]
+        seq_lens = md.seq_lens[:num_decodes].long()  # [num_decodes]
+        max_len = max(md.seq_lens_cpu[:num_decodes])
+        num_blocks = -(-max_len // block_size)
+        block_ids = md.block_table[:num_decodes, :num_blocks]  # [num_decodes, num_blocks]
+        # [num_decodes, max_len, Hkv, D]: each row padded to the longest request
+        keys = gather_kv(kv_cache[0], block_ids)[:, :max_len]
+        values = gather_kv(kv_cache[1], block_ids)[:, :max_len]
+        # [num_decodes, max_len] True where the position really holds this request's K/V
+        valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
+        keys = keys.masked_fill(~valid[:, :, None, None], 0.0)
+        values = values.masked_fill(~valid[:, :, None, None], 0.0)
+        out = F.scaled_dot_product_attention(
+            query[:, :, None, :],  # [num_decodes, Hq, 1, D]
+            keys.transpose(1, 2),  # [num_decodes, Hkv, max_len, D]
+            values.transpose(1, 2),
+            attn_mask=valid[:, None, None, :],  # [num_decodes, 1, 1, max_len]
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out[:, :, 0, :]  # [num_decodes, Hq, D]
+
+    def _prefill_one(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, req: int, scale: float
+    ) -> torch.Tensor:
+        """One prefill (or chunk) of request ``req``. query [q_len, Hq, D]."""
+        q_len = query.shape[0]
+        seq_len = md.seq_lens_cpu[req]
+        num_context = seq_len - q_len  # tokens cached by earlier steps (or a prefix hit)
+        block_size = kv_cache.shape[2]
+        block_ids = md.block_table[req, : -(-seq_len // block_size)]
+        # [seq_len, Hkv, D]; every position here was written, this step or before
+        keys = gather_kv(kv_cache[0], block_ids)[:seq_len]
+        values = gather_kv(kv_cache[1], block_ids)[:seq_len]
+        if num_context == 0:
+            # A fresh prompt: the usual square causal mask, which SDPA builds itself.
+            mask = None
+        else:
+            # Query j sits at position num_context + j and sees keys 0 .. that position.
+            query_pos = num_context + torch.arange(q_len, device=query.device)
+            key_pos = torch.arange(seq_len, device=query.device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1)[None],  # [1, Hq, q_len, D]
+            keys.transpose(0, 1)[None],  # [1, Hkv, seq_len, D]
+            values.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)  # [q_len, Hq, D]

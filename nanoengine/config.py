@@ -1,0 +1,94 @@
+"""Engine configuration: the knobs ``LLM(...)`` accepts, grouped as vLLM groups them.
+
+Chapter 6 (``LLM(...)`` construction) explains how these numbers become a KV cache
+of a certain size; chapter 2 (batch size) and chapter 3 (scheduler) show what the
+scheduler knobs do. vLLM 0.32 counterpart: ``vllm/config/`` (``ModelConfig``,
+``CacheConfig``, ``SchedulerConfig``, ``DeviceConfig``, ``VllmConfig``).
+
+Plain dataclasses without torch: the scheduler and KV cache manager read them and
+must stay device-free. ``EngineArgs`` (engine/arg_utils.py) fills them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class ModelConfig:
+    """What model runs, resolved to a local directory, and its shape."""
+
+    model: str  # as the user wrote it: a short name, a local dir or a hub id
+    model_path: str  # the local HF directory it resolved to
+    architecture: str  # e.g. "LlamaForCausalLM"
+    hf_config: Any  # transformers.PretrainedConfig; Any keeps transformers out of core/
+    max_model_len: int
+    dtype: str = "float32"
+    seed: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None)
+        return int(head_dim or cfg.hidden_size // cfg.num_attention_heads)
+
+
+@dataclass
+class CacheConfig:
+    """How the KV cache is sized and shared."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # CUDA: the fraction of the GPU's memory the whole engine may use.
+    gpu_memory_utilization: float = 0.9
+    # An explicit byte budget for the KV cache (CPU or CUDA); overrides the fractions.
+    kv_cache_memory_bytes: int | None = None
+    # CPU: the fraction of *available* RAM given to the KV cache when no byte budget
+    # is set, capped at ``cpu_kv_cache_max_bytes`` (vLLM's VLLM_CPU_KVCACHE_SPACE plays
+    # this role, as a fixed number of GiB).
+    cpu_kv_cache_fraction: float = 0.1
+    cpu_kv_cache_max_bytes: int = 4 << 30
+    # Skip profiling and use exactly this many blocks (tests, experiments).
+    num_gpu_blocks_override: int | None = None
+    # Filled in after determine_available_memory (chapter 6).
+    num_gpu_blocks: int | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    """The per-step budget of chapter 3."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "cpu"  # "cpu" or "cuda"
+
+
+@dataclass
+class EngineConfig:
+    """All of the above in one object (vLLM calls it ``VllmConfig``)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)

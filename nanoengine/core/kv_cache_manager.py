@@ -1,0 +1,176 @@
+"""KVCacheManager: the scheduler's one question, "can this request get its slots?".
+
+Chapter 4 (KV cache manager). The scheduler creates this object in its own
+``__init__`` and talks to nothing else about memory: it asks for prefix-cache
+hits when a request is first scheduled (``get_computed_blocks``), for room for
+the tokens it wants to run (``allocate_slots``, where ``None`` means "preempt
+someone"), and gives everything back when a request ends (``free``).
+Underneath, ``KVCacheCoordinator`` keeps the block tables and ``BlockPool`` the
+blocks themselves.
+
+vLLM 0.32 counterpart: ``vllm/v1/core/kv_cache_manager.py`` (``KVCacheManager``,
+``KVCacheBlocks``); the stats dataclass mirrors ``PrefixCacheStats`` of
+``vllm/v1/metrics/stats.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoengine.core.kv_cache_coordinator import KVCacheCoordinator
+from nanoengine.core.kv_cache_utils import KVCacheBlock
+from nanoengine.kv_cache_interface import KVCacheConfig
+from nanoengine.request import Request
+from nanoengine.utils.component_tree import TreeNode
+
+
+@dataclass
+class KVCacheBlocks:
+    """A list of blocks handed across the manager's API.
+
+    vLLM keeps one list per KV cache group here; with a single group the
+    wrapper mostly keeps ``KVCacheBlock`` objects out of the scheduler, which
+    only ever needs the ids.
+    """
+
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+
+    def get_block_ids(self) -> list[int]:
+        return [block.block_id for block in self.blocks]
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative prefix-cache counters, in tokens (``hits / queries`` = hit rate).
+
+    Every lookup counts, including the retry of a request whose allocation
+    failed in an earlier step, as in vLLM.
+    """
+
+    requests: int = 0  # lookups made
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found in the cache
+
+    def record(self, num_tokens: int, num_hits: int) -> None:
+        self.requests += 1
+        self.queries += num_tokens
+        self.hits += num_hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager(TreeNode):
+    """Slots for the scheduler's requests, with automatic prefix caching."""
+
+    tree_children = ("coordinator",)
+
+    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, enable_caching: bool) -> None:
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {max_model_len}.")
+        self.block_size = kv_cache_config.block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.coordinator = KVCacheCoordinator(kv_cache_config, max_model_len, enable_caching)
+        self.block_pool = self.coordinator.block_pool
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the usable KV cache held by requests (0.0 to 1.0)."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """The most blocks one request could ever hold: the whole pool."""
+        return self.block_pool.num_usable_blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Prefix-cache hits for a request about to be (re)scheduled.
+
+        Returns the hit blocks and the number of tokens they cover. The blocks
+        are *not* claimed yet; ``allocate_slots`` takes them along with the new
+        ones, so a request that cannot be admitted leaves the cache untouched.
+        """
+        if not self.enable_caching:
+            return KVCacheBlocks(), 0
+        # Even a fully cached prompt must run at least its last token through the
+        # model: the logits that sample the next token come from that forward
+        # pass. So at most num_tokens - 1 tokens may come from the cache; with
+        # whole blocks only, that recomputes the last block when the prompt ends
+        # exactly on a block boundary.
+        max_cache_hit_length = request.num_tokens - 1
+        hit_blocks = self.coordinator.find_longest_cache_hit(request.block_hashes, max_cache_hit_length)
+        num_computed_tokens = len(hit_blocks) * self.block_size
+        self.prefix_cache_stats.record(request.num_tokens, num_computed_tokens)
+        return KVCacheBlocks(hit_blocks), num_computed_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+    ) -> KVCacheBlocks | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        The request's table must cover, after this call, three runs of tokens:
+
+            | already computed | new cache hits          | to compute now  |
+            | num_computed     | num_new_computed_tokens | num_new_tokens  |
+
+        The first run already has blocks; hits bring their own blocks; only the
+        third run may need fresh ones. All or nothing: if the pool cannot supply
+        every block needed, nothing changes and ``None`` tells the scheduler to
+        preempt a request (or to stop admitting new ones). On success, returns
+        just the newly allocated blocks (the worker appends them to its table).
+        """
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be at least 1, got {num_new_tokens}.")
+        hit_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else []
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        # A request never needs KV beyond max_model_len positions.
+        num_tokens_need_slot = min(num_computed_tokens + num_new_tokens, self.max_model_len)
+
+        # 1. Check, before touching anything, that the pool can cover it all.
+        num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
+            request.request_id, num_tokens_need_slot, hit_blocks
+        )
+        if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
+            return None
+
+        # 2. Claim the cache hits first, so evicting for the new blocks cannot
+        #    pick one of them (claimed blocks leave the free queue).
+        self.coordinator.save_new_computed_blocks(request.request_id, hit_blocks)
+        new_blocks = self.coordinator.allocate_new_blocks(request.request_id, num_tokens_need_slot)
+
+        # 3. Register blocks that will be full once this step has run. They are
+        #    cached before the forward pass fills them, so a request admitted
+        #    later in this same step may already hit them. That is safe because
+        #    the model runner writes each layer's new K/V for the whole batch
+        #    before that layer's attention reads the cache (as vLLM's backends
+        #    do). Only tokens that exist can be hashed, hence the min.
+        if self.enable_caching:
+            num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
+            self.coordinator.cache_blocks(request, num_tokens_to_cache)
+        return KVCacheBlocks(new_blocks)
+
+    def free(self, request: Request) -> None:
+        """Release every block of a finished or preempted request."""
+        self.coordinator.free(request.request_id)
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks(list(self.coordinator.get_blocks(request_id)))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's whole block table as ids (what ``NewRequestData`` carries)."""
+        return [block.block_id for block in self.coordinator.get_blocks(request_id)]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; False if requests still hold blocks."""
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,1 @@
+"""The scheduler and the messages it exchanges with the worker (chapter 3)."""

@@ -1,0 +1,400 @@
+"""Scheduler: each step, decide which requests run and how many tokens each.
+
+Chapter 3 (scheduler). vLLM V1 has no separate "prefill phase" and "decode
+phase": every request simply has ``num_tokens`` known tokens of which
+``num_computed_tokens`` already have KV, and each step the scheduler hands out
+a budget of ``max_num_batched_tokens`` to close those gaps. A decode closes a gap
+of 1, a prefill a gap of the prompt length, cut into chunks when the budget is
+short (chunked prefill); both kinds mix freely in one step.
+
+One step is ``schedule()`` -> model runner -> ``update_from_output()``:
+
+1. RUNNING requests first, in admission order: each gets its gap, capped by the
+   remaining budget. When the KV cache has no block for one, the lowest-priority
+   running request is preempted (its blocks freed; it will be recomputed).
+2. Then WAITING requests in queue order, as long as budget, ``max_num_seqs`` and
+   free blocks last; the prefix cache is consulted before allocating.
+3. ``update_from_output`` appends sampled tokens and retires finished requests.
+
+The KV cache manager is a member created here, as in vLLM: whether a request
+can run is decided by ``allocate_slots``, so memory is a direct input of every
+scheduling decision.
+
+vLLM 0.32 counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler``); the
+stats mirror ``SchedulerStats`` of ``vllm/v1/metrics/stats.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from nanoengine.config import CacheConfig, SchedulerConfig
+from nanoengine.core.kv_cache_manager import KVCacheManager
+from nanoengine.core.kv_cache_sizing import cdiv
+from nanoengine.core.sched.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from nanoengine.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from nanoengine.core.sched.step_plan import StepPlan
+from nanoengine.core.sched.utils import (
+    check_stop,
+    select_preemption_victim,
+    validate_scheduler_configs,
+)
+from nanoengine.engine import EngineCoreOutput, EngineCoreOutputs
+from nanoengine.kv_cache_interface import KVCacheConfig
+from nanoengine.request import Request, RequestStatus
+from nanoengine.utils.component_tree import TreeNode
+
+# Waiting-queue states the scheduler may admit. The WAITING_FOR_* states are
+# "blocked" (grammar, remote KV, streamed prompt): skipped until promoted.
+_SCHEDULABLE_WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for loggers and metrics (chapter 2 plots these per step)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable blocks in use, 0.0 to 1.0
+    prefix_cache_queries: int  # cumulative, in tokens
+    prefix_cache_hits: int  # cumulative, in tokens
+    num_preemptions: int  # cumulative
+
+
+class Scheduler(TreeNode):
+    """vLLM V1's scheduler: one token budget, running requests first."""
+
+    tree_children = ("kv_cache_manager",)
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        validate_scheduler_configs(scheduler_config, cache_config, kv_cache_config)
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_config = kv_cache_config
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.policy = SchedulingPolicy(scheduler_config.policy)
+        self.block_size = kv_cache_config.block_size
+
+        # Every live request by id; a request leaves this dict when it finishes.
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        # Admission order, so running[-1] is the newest (the FCFS victim).
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the worker drops its copy of them.
+        self.finished_req_ids: set[str] = set()
+        # Outputs produced inside schedule() (IGNORED requests), delivered by the
+        # next update_from_output(), the only method that returns outputs.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self.num_preemptions = 0
+
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config,
+            max_model_len=self.max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+        )
+
+    # ---- requests in and out ---------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in the scheduler.")
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """End requests from outside (aborts); unknown or finished ids are ignored.
+
+        No output is produced here: the caller (EngineCore) reports the abort.
+        """
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status}.")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        running_to_remove: set[Request] = set()
+        waiting_to_remove: list[Request] = []
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                running_to_remove.add(request)
+            else:
+                waiting_to_remove.append(request)
+            request.status = finished_status
+            self._free_request(request)
+        # Remove in bulk: one pass over each queue however many ids were given.
+        if running_to_remove:
+            self.running = [r for r in self.running if r not in running_to_remove]
+        if waiting_to_remove:
+            self.waiting.remove_requests(waiting_to_remove)
+
+    def _free_request(self, request: Request) -> None:
+        """Forget a finished request: blocks back to the pool, worker told."""
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    # ---- schedule() --------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = StepPlan(token_budget=self.max_num_scheduled_tokens)
+        self._schedule_running(plan)
+        # A step that had to preempt is short of memory: admitting new requests
+        # now would only take blocks the survivors need next step.
+        if not plan.preempted_reqs:
+            self._schedule_waiting(plan)
+        scheduler_output = self._make_scheduler_output(plan)
+        self._update_after_schedule(scheduler_output)
+        return scheduler_output
+
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        """Tokens of ``request`` to run this step; 0 means "not this step".
+
+        The gap between known and computed tokens is the whole remaining prompt
+        for a prefill and 1 for a decode. Chunked prefill cuts it to what is
+        left of the budget; without chunking a gap that does not fit waits.
+        """
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        if num_new_tokens > token_budget and not self.enable_chunked_prefill:
+            return 0
+        return min(num_new_tokens, token_budget)
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Give each running request its next tokens, preempting if blocks run out."""
+        req_index = 0
+        while req_index < len(self.running) and plan.token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
+            if num_new_tokens == 0:
+                req_index += 1
+                continue
+            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
+                victim_index = select_preemption_victim(self.running, self.policy)
+                victim = self.running.pop(victim_index)
+                # The priority policy may pick a request before this one; the
+                # list shifted left, and so must our position in it.
+                if victim_index < req_index:
+                    req_index -= 1
+                if victim.request_id in plan.num_scheduled_tokens:
+                    plan.undo(victim)
+                self._preempt_request(victim)
+                plan.preempted_reqs.append(victim)
+                if victim is request:
+                    break  # nobody left to preempt that ranks below this request
+            if new_blocks is None:
+                # The request preempted itself and left the list, so
+                # running[req_index] is already the next one. (vLLM stops the
+                # loop here; for FCFS that is the same, as the victim is last.)
+                continue
+            plan.add(request, num_new_tokens, new_blocks, is_new=False)
+            req_index += 1
+
+    def _preempt_request(self, request: Request) -> None:
+        """Preempt by recompute: drop the KV, requeue the request at the front.
+
+        Its blocks keep their hashes while free, so when it resumes the prefix
+        cache usually returns most of them and little is actually recomputed.
+        """
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Admit waiting requests in queue order while budget, seats and blocks last."""
+        skipped: list[Request] = []
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_running_reqs:
+            request = self.waiting.peek_request()
+            if request.status not in _SCHEDULABLE_WAITING_STATES:
+                # Blocked on something else; keep its place for a later step.
+                skipped.append(self.waiting.pop_request())
+                continue
+            message = self._why_never_fits(request)
+            if message is not None:
+                self.waiting.pop_request()
+                self._ignore_request(request, message)
+                continue
+
+            hit_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = self._num_new_tokens(request, num_cached_tokens, plan.token_budget)
+            if num_new_tokens == 0:
+                break  # prompt does not fit and chunking is off: wait, in order
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_cached_tokens, hit_blocks
+            )
+            if new_blocks is None:
+                break  # out of blocks: wait for running requests to free some
+
+            self.waiting.pop_request()
+            self.running.append(request)
+            plan.add(request, num_new_tokens, new_blocks, is_new=True)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached_tokens
+            if request.num_cached_tokens < 0:  # first schedule, not a resume
+                request.num_cached_tokens = num_cached_tokens
+        self.waiting.prepend_requests(skipped)
+
+    def _why_never_fits(self, request: Request) -> str | None:
+        """Why ``request`` can never run with these limits, or None if it can."""
+        if request.num_tokens > self.max_model_len:
+            return (
+                f"The prompt has {request.num_tokens} tokens, more than max_model_len={self.max_model_len}."
+            )
+        num_blocks_needed = cdiv(request.num_tokens, self.block_size)
+        num_usable_blocks = self.kv_cache_manager.num_usable_blocks
+        if num_blocks_needed > num_usable_blocks:
+            return (
+                f"The request needs {num_blocks_needed} KV cache blocks for its "
+                f"{request.num_tokens} tokens, more than the {num_usable_blocks} blocks "
+                f"of the whole KV cache (block_size={self.block_size})."
+            )
+        return None
+
+    def _ignore_request(self, request: Request, message: str) -> None:
+        request.status = RequestStatus.FINISHED_IGNORED
+        request.finish_message = message
+        self._free_request(request)
+        self._pending_outputs.append(_make_engine_core_output(request, []))
+
+    def _make_scheduler_output(self, plan: StepPlan) -> SchedulerOutput:
+        # num_computed_tokens is read *before* _update_after_schedule advances
+        # it: the worker needs where this step's tokens start.
+        new_reqs_data = [
+            NewRequestData(
+                req_id=request.request_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                num_computed_tokens=request.num_computed_tokens,
+            )
+            for request in plan.new_reqs
+        ]
+        cached_reqs_data = CachedRequestData(
+            req_ids=[request.request_id for request in plan.cached_reqs],
+            new_block_ids=[plan.new_block_ids[request.request_id] for request in plan.cached_reqs],
+            num_computed_tokens=[request.num_computed_tokens for request in plan.cached_reqs],
+        )
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached_reqs_data,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={request.request_id for request in plan.preempted_reqs},
+        )
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Count this step's tokens as computed now, before the model runs.
+
+        Optimistic on purpose: the next ``schedule()`` must start where this
+        step ends -- the next prefill chunk after this one, not the same chunk
+        again -- and it may be called before this step's results are in (vLLM's
+        async scheduling overlaps the next schedule with this step's forward).
+        The sampled token of a finished prefill is the one thing that must wait
+        for the results; ``update_from_output`` appends it.
+        """
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_scheduled
+        # This step's output owns the old set; start collecting for the next one.
+        self.finished_req_ids = set()
+
+    # ---- update_from_output() ----------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Fold sampled tokens into the requests, retire finished ones, report."""
+        sampled_by_req = model_runner_output.by_request()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        stopped: set[Request] = set()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted while the step was running
+            # Empty for a partial prefill: its last position sampled nothing.
+            new_token_ids, is_stopped = self._append_output_tokens(request, sampled_by_req.get(req_id, []))
+            if is_stopped:
+                stopped.add(request)
+                self._free_request(request)
+            if new_token_ids or is_stopped:
+                outputs.append(_make_engine_core_output(request, new_token_ids))
+        if stopped:
+            self.running = [request for request in self.running if request not in stopped]
+        return EngineCoreOutputs(outputs=outputs)
+
+    def _append_output_tokens(self, request: Request, sampled: list[int]) -> tuple[list[int], bool]:
+        """Append tokens one by one, stopping at the first stop condition.
+
+        One token per step in nanoengine, but a list keeps the door open for
+        speculative decoding, where tokens after a stop must be dropped.
+        """
+        for num_kept, token_id in enumerate(sampled, start=1):
+            request.append_output_token_ids(token_id)
+            if check_stop(request, self.max_model_len):
+                return sampled[:num_kept], True
+        return sampled, False
+
+    # ---- queries -----------------------------------------------------------
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_requests(self) -> bool:
+        """True while a step would do anything.
+
+        That is: run a request, tell the worker about finished ones, or deliver
+        a pending (IGNORED) output. EngineCore.step() checks this, not
+        ``has_unfinished_requests``, so IGNORED outputs are not stranded.
+        """
+        return self.has_unfinished_requests() or bool(self.finished_req_ids) or bool(self._pending_outputs)
+
+    def tree_label_extra(self) -> str:
+        return f"policy={self.policy.value} running={len(self.running)} waiting={len(self.waiting)}"
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(num_running, num_waiting)."""
+        return len(self.running), len(self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        prefix_stats = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix_stats.queries,
+            prefix_cache_hits=prefix_stats.hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+
+def _make_engine_core_output(request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=new_token_ids,
+        finish_reason=request.get_finished_reason(),
+        stop_reason=request.stop_reason,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+        finish_message=request.finish_message,
+    )

@@ -1,0 +1,59 @@
+"""StepPlan: what one ``schedule()`` call has decided so far, and its token budget.
+
+Chapter 3 (scheduler). A step starts with ``max_num_batched_tokens`` to spend.
+Each request the scheduler books pays for its tokens from that budget; a
+running request preempted later in the *same* step (to free blocks for one after
+it) is unbooked and its tokens are refunded. Keeping these few lines of
+accounting in one object is what lets ``Scheduler.schedule()`` read as the
+policy alone.
+
+vLLM 0.32 counterpart: the local variables of ``Scheduler.schedule()`` in
+``vllm/v1/core/sched/scheduler.py`` (``token_budget``, ``num_scheduled_tokens``,
+``req_to_new_blocks``, ``scheduled_running_reqs``, ``preempted_reqs``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoengine.core.kv_cache_manager import KVCacheBlocks
+from nanoengine.request import Request
+
+
+@dataclass
+class StepPlan:
+    """The decisions of one ``schedule()`` call while it is being built.
+
+    Every booking pays for its tokens from ``token_budget`` and every undo
+    refunds them, so at any moment ``token_budget`` plus the sum of
+    ``num_scheduled_tokens`` equals ``max_num_batched_tokens``.
+    """
+
+    token_budget: int  # tokens still available this step
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Sent in full: first schedule, or resumed after preemption.
+    new_reqs: list[Request] = field(default_factory=list)
+    # Known to the worker: only newly allocated block ids travel.
+    cached_reqs: list[Request] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted_reqs: list[Request] = field(default_factory=list)
+
+    def add(self, request: Request, num_new_tokens: int, new_blocks: KVCacheBlocks, is_new: bool) -> None:
+        """Book ``num_new_tokens`` of ``request`` into this step, paying from the budget."""
+        self.num_scheduled_tokens[request.request_id] = num_new_tokens
+        self.token_budget -= num_new_tokens
+        if is_new:
+            self.new_reqs.append(request)
+        else:
+            self.cached_reqs.append(request)
+            self.new_block_ids[request.request_id] = new_blocks.get_block_ids()
+
+    def undo(self, request: Request) -> None:
+        """Cancel the booking of a running request preempted later in the same step.
+
+        Its tokens return to the budget so the requests after it can use them.
+        (Only running requests can be preempted, and they are booked as cached.)
+        """
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        self.cached_reqs.remove(request)
+        del self.new_block_ids[request.request_id]

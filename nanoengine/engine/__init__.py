@@ -1,0 +1,76 @@
+"""Messages that cross the boundary between the front end and the engine core.
+
+Chapter 5 (engine skeleton) draws this boundary: ``LLMEngine`` lives on the user's
+side, ``EngineCore`` on the other, and the ``EngineCoreClient`` carries these
+messages between them (a direct call in-process, a socket in a multi-process
+server, chapter 8). Keeping them plain dataclasses is what makes both transports
+possible.
+
+vLLM 0.32 counterpart: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``,
+``EngineCoreOutput``, ``EngineCoreOutputs``, ``FinishReason``).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from nanoengine.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request stopped, as the user sees it (``CompletionOutput.finish_reason``).
+
+    Several internal states collapse into one reason: FINISHED_IGNORED and
+    FINISHED_LENGTH_CAPPED both read as "length", exactly as in vLLM.
+    """
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+    REPETITION = 4
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass
+class EngineCoreRequest:
+    """A request after the front end has tokenized and validated it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one engine step produced for one request: new tokens and maybe an end."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    # The stop token id (int) that ended the request, or the stop string (str)
+    # once the output processor finds one; None for other endings.
+    stop_reason: int | str | None = None
+    # How many prompt tokens the prefix cache supplied (for RequestOutput).
+    num_cached_tokens: int = 0
+    # A human-readable reason for FINISHED_IGNORED / FINISHED_ERROR.
+    finish_message: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Everything one ``EngineCore.step()`` returns to the client."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    timestamp: float = field(default_factory=time.monotonic)

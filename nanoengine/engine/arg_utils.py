@@ -1,0 +1,162 @@
+"""EngineArgs: the flat keyword arguments of ``LLM(...)`` turned into an EngineConfig.
+
+Chapter 6 (``LLM(...)`` construction) starts here: before any weight is read, the
+user's keywords are checked and the model's config.json is read to learn its
+shape and its longest context. vLLM 0.32 counterpart: ``vllm/engine/arg_utils.py``
+(``EngineArgs.create_engine_config``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from nanoengine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from nanoengine.model_executor.models.registry import get_model_class
+from nanoengine.transformers_utils.config import get_hf_config, resolve_model_path
+
+# The dtypes a user may name; "auto" picks fp32 on CPU (this kind of CPU has no
+# fast bf16) and bf16 on CUDA.
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineArgs:
+    """Every keyword ``LLM(...)`` accepts, with vLLM's names."""
+
+    model: str = "SmolLM2-135M-Instruct"
+    dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    cpu_kv_cache_fraction: float = 0.1
+    num_gpu_blocks_override: int | None = None
+    enforce_eager: bool = False
+    # Accepted so vLLM scripts run unchanged; nanoengine runs one process on one device.
+    tensor_parallel_size: int = 1
+    trust_remote_code: bool = False
+    tokenizer: str | None = None
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
+        """Build from ``LLM(model, **kwargs)``; an unknown keyword is a TypeError
+        that lists the accepted ones, instead of being silently ignored."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"LLM() got unexpected keyword argument(s) {unknown}. Accepted: {sorted(known)}."
+            )
+        return cls(model=model, **kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        """Check the arguments, read the model's config and size the scheduler."""
+        self._verify_args()
+        model_path = resolve_model_path(self.model)
+        hf_config = get_hf_config(model_path)
+        device = _resolve_device(self.device)
+        max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
+        # get_model_class fails early, naming the architecture, before any weight is read.
+        model_config = ModelConfig(
+            model=self.model,
+            model_path=model_path,
+            architecture=get_model_class(hf_config).__name__,
+            hf_config=hf_config,
+            max_model_len=max_model_len,
+            dtype=_resolve_dtype(self.dtype, device),
+            seed=self.seed,
+        )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                cpu_kv_cache_fraction=self.cpu_kv_cache_fraction,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=self._scheduler_config(max_model_len),
+            device_config=DeviceConfig(device=device),
+        )
+
+    def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        # Without chunked prefill a whole prompt must fit into one step's budget,
+        # so the budget can be no smaller than the longest prompt.
+        budget = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_model_len)
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={budget} is smaller than max_model_len={max_model_len}; "
+                "without chunked prefill a whole prompt must fit in one step. Raise "
+                "max_num_batched_tokens or enable chunked prefill."
+            )
+        return SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.scheduling_policy,
+        )
+
+    def _verify_args(self) -> None:
+        positive = {
+            "max_num_seqs": self.max_num_seqs,
+            "block_size": self.block_size,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "num_gpu_blocks_override": self.num_gpu_blocks_override,
+        }
+        for name, value in positive.items():
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if not 0.0 < self.cpu_kv_cache_fraction <= 1.0:
+            raise ValueError(f"cpu_kv_cache_fraction must be in (0, 1], got {self.cpu_kv_cache_fraction}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size must be 1 (nanoengine runs on one device), got {self.tensor_parallel_size}."
+            )
+
+
+def _resolve_device(device: str) -> str:
+    import torch  # deferred: keeps `import nanoengine.engine.arg_utils` light
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device.")
+    return device
+
+
+def _resolve_dtype(dtype: str, device: str) -> str:
+    if dtype == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    return dtype
+
+
+def _resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
+    """The model's trained context unless the user asks for less (never more)."""
+    trained = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+    if requested is None:
+        return trained
+    if requested > trained:
+        raise ValueError(
+            f"max_model_len={requested} is larger than the model's max_position_embeddings={trained}."
+        )
+    return requested

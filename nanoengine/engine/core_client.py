@@ -1,0 +1,70 @@
+"""EngineCoreClient: the adapter between LLMEngine and EngineCore.
+
+Chapter 5 (engine skeleton) explains why this seemingly empty layer exists: in one
+process the client calls the core directly; in a server (chapter 8) the core runs
+in its own process and the client ships the same messages over a socket -- and
+``LLMEngine`` does not change. vLLM 0.32 counterpart:
+``vllm/v1/engine/core_client.py`` (``EngineCoreClient``, ``InprocClient``,
+``SyncMPClient``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+from nanoengine.config import EngineConfig
+from nanoengine.engine import EngineCoreOutputs, EngineCoreRequest
+from nanoengine.engine.core import EngineCore
+from nanoengine.utils.component_tree import TreeNode
+
+
+class EngineCoreClient(ABC):
+    """The interface every transport implements; LLMEngine sees only this."""
+
+    @staticmethod
+    def make_client(engine_config: EngineConfig, multiprocess_mode: bool = False) -> EngineCoreClient:
+        """Pick a transport. Only the in-process one exists so far (chapter 8 adds
+        the multi-process client behind this same interface)."""
+        if multiprocess_mode:
+            raise ValueError("multiprocess_mode=True is not available yet; use the in-process client.")
+        return InprocClient(engine_config)
+
+    @abstractmethod
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    @abstractmethod
+    def get_output(self) -> EngineCoreOutputs:
+        """Advance the engine and return what it produced."""
+
+    @abstractmethod
+    def abort_requests(self, request_ids: Iterable[str]) -> None: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class InprocClient(EngineCoreClient, TreeNode):
+    """In-process: each ``get_output`` is one direct ``EngineCore.step()``.
+
+    The client, not LLMEngine, holds the EngineCore, so printing the client
+    shows the subtree the seed note draws below ``engine_core``.
+    """
+
+    tree_children = ("engine_core",)
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.engine_core = EngineCore(engine_config)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def get_output(self) -> EngineCoreOutputs:
+        outputs, _ = self.engine_core.step()
+        return outputs
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.engine_core.abort_requests(request_ids)
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

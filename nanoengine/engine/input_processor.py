@@ -1,0 +1,76 @@
+"""InputProcessor: check a rendered prompt and its parameters, make an EngineCoreRequest.
+
+Chapter 7 (``generate(...)``) starts each request here. Everything that could
+make the engine fail later is checked now, while the error can still be raised
+to the caller without disturbing the requests already running.
+vLLM 0.32 counterpart: ``vllm/v1/engine/input_processor.py`` (``InputProcessor``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from nanoengine.config import ModelConfig
+from nanoengine.engine import EngineCoreRequest
+from nanoengine.renderers.hf import RenderedPrompt
+from nanoengine.sampling_params import SamplingParams
+from nanoengine.utils.component_tree import TreeNode
+
+
+class InputProcessor(TreeNode):
+    """Validates against the model's limits and fills in engine-side defaults."""
+
+    tree_children = ()
+
+    def __init__(self, model_config: ModelConfig, eos_token_ids: Iterable[int]) -> None:
+        self.model_config = model_config
+        # The tokenizer's EOS and any extra ones from generation_config.json.
+        self.eos_token_ids = sorted(set(eos_token_ids))
+
+    def process_inputs(
+        self,
+        request_id: str,
+        rendered: RenderedPrompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> EngineCoreRequest:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}.")
+        prompt_ids = rendered["prompt_token_ids"]
+        self._validate_prompt(prompt_ids)
+        params = params.clone()
+        self._fill_engine_defaults(params, len(prompt_ids))
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            priority=priority,
+        )
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+        max_len = self.model_config.max_model_len
+        vocab = self.model_config.vocab_size
+        if not prompt_ids:
+            raise ValueError("The prompt is empty (0 tokens); at least 1 token is needed.")
+        if len(prompt_ids) > max_len:
+            raise ValueError(
+                f"The prompt is {len(prompt_ids)} tokens long, longer than max_model_len={max_len}."
+            )
+        for token_id in prompt_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise TypeError(f"Token ids must be ints, got {type(token_id).__name__} {token_id!r}.")
+            if not 0 <= token_id < vocab:
+                raise ValueError(f"Token id {token_id} is out of vocabulary (valid ids are 0..{vocab - 1}).")
+
+    def _fill_engine_defaults(self, params: SamplingParams, prompt_len: int) -> None:
+        """EOS joins the stop ids unless ignored; max_tokens=None means "until the
+        context is full"."""
+        if not params.ignore_eos:
+            params.all_stop_token_ids.update(self.eos_token_ids)
+        room = self.model_config.max_model_len - prompt_len
+        if params.max_tokens is None:
+            params.max_tokens = max(room, 1)

@@ -1,0 +1,135 @@
+"""LLMEngine: the front end's engine -- renderer, input/output processors, core client.
+
+Chapter 5 (engine skeleton) draws it as the node under ``LLM`` with four members;
+chapter 7 follows ``add_request`` and ``step`` through them.
+vLLM 0.32 counterpart: ``vllm/v1/engine/llm_engine.py`` (``LLMEngine``:
+``renderer``, ``input_processor``, ``output_processor``, ``engine_core``).
+
+Everything here is about text and users (prompts, stop strings, ``n`` samples);
+everything below ``engine_core`` is about tokens and blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from nanoengine.config import EngineConfig
+from nanoengine.engine.arg_utils import EngineArgs
+from nanoengine.engine.core_client import EngineCoreClient
+from nanoengine.engine.input_processor import InputProcessor
+from nanoengine.engine.output_processor import OutputProcessor, ParentRequest
+from nanoengine.outputs import RequestMetrics, RequestOutput
+from nanoengine.renderers.hf import HfRenderer, PromptType, RenderedPrompt
+from nanoengine.sampling_params import SamplingParams
+from nanoengine.transformers_utils.config import get_tokenizer
+from nanoengine.transformers_utils.tokenizer import get_generation_eos_ids
+from nanoengine.utils.component_tree import TreeNode
+
+
+class LLMEngine(TreeNode):
+    """Adds requests, steps the engine, returns RequestOutputs (vLLM's offline API)."""
+
+    tree_children = ("renderer", "input_processor", "output_processor", "engine_core")
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.engine_config = engine_config
+        model_config = engine_config.model_config
+        self.tokenizer = get_tokenizer(model_config.model_path)
+        self.renderer = HfRenderer(self.tokenizer)
+        eos_ids = get_generation_eos_ids(model_config.model_path, self.tokenizer)
+        self.input_processor = InputProcessor(model_config, eos_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # Building the client builds the EngineCore: weights, profiling, KV cache.
+        self.engine_core = EngineCoreClient.make_client(engine_config)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- requests ----------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Render, validate and queue one prompt (``n`` engine-core requests)."""
+        self.add_rendered_request(request_id, self.renderer.render_prompt(prompt), params, arrival_time, priority)
+
+    def add_rendered_request(
+        self,
+        request_id: str,
+        rendered: RenderedPrompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue an already rendered prompt. Every check runs before anything is
+        queued, so a bad request leaves the engine exactly as it was."""
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"Request id {request_id!r} is already in use by a live request.")
+        priority = priority or params.priority
+        core_requests = [
+            self.input_processor.process_inputs(
+                _child_id(request_id, index, params.n),
+                rendered,
+                _child_params(params, index),
+                arrival_time,
+                priority,
+            )
+            for index in range(params.n)
+        ]
+        parent = ParentRequest(
+            request_id=request_id,
+            prompt=rendered["prompt"],
+            prompt_token_ids=rendered["prompt_token_ids"],
+            metrics=RequestMetrics(arrival_time=core_requests[0].arrival_time),
+        )
+        for index, core_request in enumerate(core_requests):
+            self.output_processor.add_request(parent, core_request, index)
+            self.engine_core.add_request(core_request)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests (by the ids given to add_request) and free their blocks."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    # ---- the loop (chapter 7) ------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step: core outputs -> RequestOutputs for the touched requests."""
+        core_outputs = self.engine_core.get_output()
+        processed = self.output_processor.process_outputs(core_outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+def _child_id(request_id: str, index: int, n: int) -> str:
+    """Samples of a request with n > 1 run as "<index>_<id>" in the core, as in vLLM."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Each sample gets n=1 and, if seeded, its own seed so samples differ."""
+    child = params.clone()
+    child.n = 1
+    if params.seed is not None:
+        child.seed = params.seed + index
+    return child

@@ -1,0 +1,72 @@
+"""UniProcExecutor: the engine core's ``model_executor``, driving one in-process worker.
+
+Chapter 5 (engine skeleton) places it under ``EngineCore.model_executor``; chapter 7
+explains ``execute_model(..., non_block=True)``: the call returns a Future at once,
+the forward pass runs on a helper thread (torch releases the GIL inside its
+kernels), and the engine thread meanwhile does CPU work such as building the
+grammar bitmask, then waits with ``future.result()``.
+vLLM 0.32 counterpart: ``vllm/v1/executor/uniproc_executor.py`` (``UniProcExecutor``)
+with ``collective_rpc``; the multi-GPU executors send the same calls over RPC.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal, overload
+
+from nanoengine.config import EngineConfig
+from nanoengine.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from nanoengine.utils.component_tree import TreeNode
+from nanoengine.worker.worker import Worker
+
+
+class UniProcExecutor(TreeNode):
+    """Creates the worker and runs its construction steps in chapter-6 order."""
+
+    tree_children = ("driver_worker",)
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.engine_config = engine_config
+        self.driver_worker = Worker(engine_config)
+        self.driver_worker.init_device()
+        self.driver_worker.load_model()
+        # One thread is enough: steps are sequential, the thread exists only so the
+        # engine thread can work while a forward pass runs.
+        self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoengine-forward")
+
+    def get_kv_cache_spec(self) -> FullAttentionSpec:
+        return self.driver_worker.get_kv_cache_spec()
+
+    def determine_available_memory(self) -> int:
+        return self.driver_worker.determine_available_memory()
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.driver_worker.initialize_from_config(kv_cache_config)
+
+    @overload
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: Literal[False] = ...
+    ) -> ModelRunnerOutput | None: ...
+
+    @overload
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: Literal[True]
+    ) -> Future[ModelRunnerOutput | None]: ...
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+        """Run the forward pass now, or (non_block) on the forward thread.
+
+        The result is None when sampling was deferred to ``sample_tokens``.
+        """
+        if not non_block:
+            return self.driver_worker.execute_model(scheduler_output)
+        return self._forward_thread.submit(self.driver_worker.execute_model, scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self.driver_worker.sample_tokens(grammar_output)
+
+    def shutdown(self) -> None:
+        self._forward_thread.shutdown(wait=True)

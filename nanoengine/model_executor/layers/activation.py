@@ -1,0 +1,38 @@
+"""SiluAndMul: the gated activation of Llama-style MLPs on a fused gate/up output.
+
+Chapter 7. vLLM 0.32 counterpart: ``vllm/model_executor/layers/activation.py``
+(``SiluAndMul``).
+
+The MLP computes ``down(silu(gate(x)) * up(x))``. Because ``gate_proj`` and
+``up_proj`` are fused into one ``gate_up_proj`` matmul, the activation receives
+both halves side by side and splits them itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The only activation the supported families use; anything else is refused by
+# name instead of silently computing a different network.
+SUPPORTED_HIDDEN_ACT = "silu"
+
+
+class SiluAndMul(nn.Module):
+    """``silu(x[..., :d]) * x[..., d:]`` where ``d = x.shape[-1] // 2``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def get_act_and_mul(hidden_act: str) -> SiluAndMul:
+    """The gated activation for a config's ``hidden_act``; ValueError if unsupported."""
+    if hidden_act != SUPPORTED_HIDDEN_ACT:
+        raise ValueError(
+            f"hidden_act '{hidden_act}' is not supported; nanoengine implements only "
+            f"'{SUPPORTED_HIDDEN_ACT}'."
+        )
+    return SiluAndMul()

@@ -1,0 +1,49 @@
+"""RMSNorm, with the fused "add the residual, then normalise" step vLLM models use.
+
+Chapter 7 (the forward pass of a decoder layer).
+vLLM 0.32 counterpart: ``vllm/model_executor/layers/layernorm.py`` (``RMSNorm``).
+
+HF decoder layers keep the residual stream as an explicit ``residual + x`` after
+each sub-block; vLLM instead hands the residual to the *next* norm, which adds and
+normalises in one call (one fused kernel on GPU). The arithmetic is the same, so
+logits match HF; only the bookkeeping moves.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [..., hidden] -> [..., hidden]. The statistics are taken in fp32 even for
+        # bf16 activations (a bf16 mean of squares loses too many bits), and the
+        # result is cast back *before* the weight multiply, exactly as HF does, so
+        # bf16 runs round the same way as the reference.
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(dim=-1, keepdim=True)
+        normed = x32 * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * normed.to(input_dtype)
+
+    def forward_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add ``x`` into the residual stream, then normalise it.
+
+        Returns ``(normed, new_residual)``; the caller feeds ``normed`` to the next
+        sub-block and keeps ``new_residual`` for the norm after it.
+        """
+        new_residual = x + residual
+        return self.forward(new_residual), new_residual
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"

@@ -1,0 +1,134 @@
+"""Rotary position embedding (RoPE), neox / "rotate half" layout, with Llama 3 scaling.
+
+Chapter 7 (where a token's position enters the model).
+vLLM 0.32 counterpart: ``vllm/model_executor/layers/rotary_embedding/``
+(``get_rope``, ``base.py`` ``RotaryEmbedding``, ``llama3_rope.py``
+``Llama3RotaryEmbedding``).
+
+RoPE rotates each (x_i, x_{i + d/2}) pair of a query/key head by the angle
+``position * inv_freq[i]``. Attention scores then depend only on the *distance*
+between two positions, which is why a paged KV cache can store keys already
+rotated and never touch them again.
+
+Positions come in explicitly, one per token. That is the whole trick that lets a
+flattened batch mix requests at different offsets: token t of the batch is
+rotated by ``positions[t]``, whatever request it belongs to.
+
+vLLM precomputes a cos/sin table up to ``max_position_embeddings``; here cos and
+sin are computed for just this step's positions (cheap, and no table to size).
+Both are taken in fp32 as HF does, then cast to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+# rope_type values this module implements; "default" is plain RoPE.
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to flattened query and key heads given per-token positions."""
+
+    inv_freq: torch.Tensor  # [head_dim // 2] fp32, registered as a buffer
+
+    def __init__(self, head_dim: int, inv_freq: torch.Tensor) -> None:
+        super().__init__()
+        if inv_freq.shape != (head_dim // 2,):
+            raise ValueError(
+                f"inv_freq must have head_dim // 2 = {head_dim // 2} entries, got {tuple(inv_freq.shape)}."
+            )
+        self.head_dim = head_dim
+        # Not persistent: it is derived from the config, never read from a checkpoint
+        # (some old checkpoints do carry it; the loader skips those entries).
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens]; query [num_tokens, num_heads * head_dim];
+        key [num_tokens, num_kv_heads * head_dim]. Returns both rotated, same shapes."""
+        # [num_tokens, head_dim // 2] angles, in fp32 whatever the model dtype
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        # [num_tokens, 1, head_dim // 2]: the middle axis broadcasts over heads
+        cos = angles.cos().to(query.dtype)[:, None, :]
+        sin = angles.sin().to(query.dtype)[:, None, :]
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # [num_tokens, heads * head_dim] -> [num_tokens, heads, head_dim]
+        heads = x.unflatten(-1, (-1, self.head_dim))
+        # Neox layout: element i pairs with element i + head_dim/2 (HF's rotate_half),
+        # not with its neighbour i + 1 (the original GPT-J layout).
+        x1, x2 = heads.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return rotated.flatten(-2)
+
+
+def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """[head_dim // 2] fp32: theta^(-2i / head_dim), the original RoPE frequencies."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    return 1.0 / (theta**exponents)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's context extension: slow down only the low frequencies.
+
+    Wavelengths shorter than ``original_max_position_embeddings / high_freq_factor``
+    are kept (they encode local order); those longer than ``... / low_freq_factor``
+    are divided by ``factor`` (stretched to cover the longer context); the band in
+    between blends the two linearly in 1 / wavelength.
+    """
+    factor = float(params["factor"])
+    low_freq_factor = float(params["low_freq_factor"])
+    high_freq_factor = float(params["high_freq_factor"])
+    old_context_len = float(params["original_max_position_embeddings"])
+
+    wavelen = 2 * math.pi / inv_freq
+    high_freq_wavelen = old_context_len / high_freq_factor
+    low_freq_wavelen = old_context_len / low_freq_factor
+    # 0 at the low-frequency edge of the band, 1 at its high-frequency edge
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(
+        wavelen < high_freq_wavelen,
+        inv_freq,
+        torch.where(wavelen > low_freq_wavelen, inv_freq / factor, blended),
+    )
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The RoPE settings of a config as one dict with ``rope_theta`` and ``rope_type``.
+
+    transformers 5 keeps them in ``config.rope_parameters``; older configs have
+    ``config.rope_theta`` plus an optional ``config.rope_scaling`` dict whose type
+    key may still be spelled ``"type"``.
+    """
+    params = dict(
+        getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    )
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def get_rope(head_dim: int, hf_config: Any) -> RotaryEmbedding:
+    """Build the RotaryEmbedding a config asks for; ValueError for unsupported kinds."""
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type '{rope_type}' is not supported by nanoengine. "
+            f"Supported: {list(SUPPORTED_ROPE_TYPES)}."
+        )
+    partial = float(params.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} is not supported; only 1.0 (rotate all dims).")
+    inv_freq = default_inv_freq(head_dim, float(params["rope_theta"]))
+    if rope_type == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, params)
+    return RotaryEmbedding(head_dim, inv_freq)

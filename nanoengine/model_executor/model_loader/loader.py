@@ -1,0 +1,61 @@
+"""get_model: build the model class for a config on a device and load its weights.
+
+Chapter 6 (``Worker.load_model`` -> ``ModelRunner.load_model`` -> here).
+vLLM 0.32 counterpart: ``vllm/model_executor/model_loader/__init__.py``
+(``get_model``) and ``default_loader.py`` (``DefaultModelLoader.load_model``).
+
+The sequence is vLLM's: pick the class from the registry, construct it directly
+on the target device in the target dtype (no throw-away CPU fp32 copy of a big
+model), then stream the checkpoint into it with the model's own
+``load_weights``. No ``AutoModel``: the module that runs is the one defined in
+``models/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from transformers import PretrainedConfig
+
+from nanoengine.model_executor.model_loader.weight_utils import (
+    safetensors_files,
+    safetensors_weights_iterator,
+)
+from nanoengine.model_executor.models.llama import LlamaForCausalLM
+from nanoengine.model_executor.models.registry import get_model_class
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Temporarily make ``dtype`` the dtype of newly created floating tensors."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def get_model(
+    model_path: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    """The ready-to-run model: weights loaded, in eval mode, gradients off.
+
+    Typed as ``LlamaForCausalLM`` because every supported family is one (Qwen2 and
+    Qwen3 subclass it); callers get ``compute_logits``/``load_weights`` typed.
+    """
+    if not dtype.is_floating_point:
+        raise TypeError(f"Model dtype must be a floating-point dtype, got {dtype}.")
+    model_cls = get_model_class(hf_config)
+    # Fail on a weightless directory before spending time building the model.
+    safetensors_files(model_path)
+    # Parameters are created as torch.empty in these contexts: already on the
+    # device, already in the dtype, waiting for the checkpoint to fill them.
+    with default_dtype(dtype), torch.device(device):
+        model = model_cls(hf_config)
+    model.load_weights(safetensors_weights_iterator(model_path))
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,290 @@
+"""Llama, written the vLLM way: fused projections, flattened batch, paged attention.
+
+Chapter 7 (the forward pass); chapter 6 (``load_weights``, called by the loader).
+vLLM 0.32 counterpart: ``vllm/model_executor/models/llama.py`` (``LlamaAttention``,
+``LlamaMLP``, ``LlamaDecoderLayer``, ``LlamaModel``, ``LlamaForCausalLM``).
+
+Three things differ from the HF modeling code this must agree with token for token:
+
+* **No batch dimension.** Every scheduled token of every request is one row of a
+  [num_tokens, hidden] tensor. Per-token ``positions`` say where each token sits in
+  its own sequence; ``AttentionMetadata`` says which rows belong to which request.
+* **Fused projections.** ``qkv_proj`` and ``gate_up_proj`` replace three and two
+  checkpoint matrices (see ``layers/linear.py``); ``load_weights`` maps the names.
+* **Residual handed to the next norm** (see ``layers/layernorm.py``).
+
+Qwen2 and Qwen3 are Llama plus a few switches (``DecoderVariant``); their files
+only choose the switches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanoengine.attention.backends.abstract import AttentionMetadata
+from nanoengine.attention.layer import Attention
+from nanoengine.model_executor.layers.activation import get_act_and_mul
+from nanoengine.model_executor.layers.layernorm import RMSNorm
+from nanoengine.model_executor.layers.linear import (
+    Linear,
+    MergedColumnLinear,
+    QKVLinear,
+    ShardId,
+    copy_weight,
+)
+from nanoengine.model_executor.layers.rotary_embedding import get_rope
+from nanoengine.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
+
+
+@dataclass(frozen=True)
+class DecoderVariant:
+    """The switches that separate the Llama-family architectures nanoengine runs."""
+
+    qkv_bias: bool  # bias on q/k/v projections (always on in Qwen2)
+    o_proj_bias: bool  # bias on the attention output projection
+    mlp_bias: bool  # bias on gate/up/down projections
+    qk_norm: bool  # Qwen3: RMSNorm over each q and k head before RoPE
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """An explicit ``head_dim`` (Qwen3 sets one) or hidden_size / num_heads."""
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def num_kv_heads_of(config: PretrainedConfig) -> int:
+    return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+
+
+def check_full_attention(config: PretrainedConfig) -> None:
+    """Refuse sliding-window attention: the paged backends here attend to every
+    cached token, which would silently differ from the model once a sequence
+    outgrows the window."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        # transformers 5 lists the attention kind of every layer (Qwen2/3 do).
+        sliding = "sliding_attention" in layer_types
+    else:
+        # Older-style configs (Mistral) only carry the window size.
+        sliding = getattr(config, "sliding_window", None) is not None
+    if sliding:
+        raise ValueError(
+            f"Sliding-window attention (sliding_window={getattr(config, 'sliding_window', None)}) "
+            "is not supported by nanoengine; only full attention is."
+        )
+
+
+class LlamaAttention(nn.Module):
+    """qkv projection -> (q/k norm) -> RoPE -> paged attention -> output projection."""
+
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+        super().__init__()
+        hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = num_kv_heads_of(config)
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVLinear(
+            hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, variant.qkv_bias
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden_size, variant.o_proj_bias)
+        # Qwen3 normalises each head's q and k (over head_dim) to keep attention
+        # logits in range; the norm must come before RoPE, as in training.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        self.rotary_emb = get_rope(self.head_dim, config)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata | None
+    ) -> torch.Tensor:
+        # q [T, Hq * D], k and v [T, Hkv * D]
+        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))  # [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+        super().__init__()
+        hidden_size, intermediate = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate, intermediate], variant.mlp_bias)
+        self.act_fn = get_act_and_mul(config.hidden_act)
+        self.down_proj = Linear(intermediate, hidden_size, variant.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [T, hidden] -> [T, 2 * intermediate] -> [T, intermediate] -> [T, hidden]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm transformer block: norm -> attention -> norm -> MLP, residual around each."""
+
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, variant)
+        self.mlp = LlamaMLP(config, variant)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this block's MLP output, residual stream before adding it).
+
+        The caller's next norm adds the two; the first layer starts the stream.
+        """
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn_metadata)
+        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, the decoder stack and the final norm: token ids -> hidden states."""
+
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, variant) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata | None
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        assert residual is not None, "a model has at least one decoder layer"
+        hidden, _ = self.norm.forward_with_residual(hidden, residual)
+        return hidden
+
+
+# Checkpoint projections that live inside a fused layer here:
+# (fused name, checkpoint name, shard id inside the fused weight).
+STACKED_PARAMS: tuple[tuple[str, str, ShardId], ...] = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+def to_model_name(checkpoint_name: str) -> tuple[str, ShardId | None]:
+    """``...self_attn.k_proj.weight`` -> (``...self_attn.qkv_proj.weight``, "k")."""
+    for fused, part, shard_id in STACKED_PARAMS:
+        if f".{part}." in checkpoint_name:
+            return checkpoint_name.replace(f".{part}.", f".{fused}."), shard_id
+    return checkpoint_name, None
+
+
+def to_checkpoint_names(model_name: str) -> list[str]:
+    """The checkpoint names that together fill one model parameter."""
+    shards = [
+        model_name.replace(f".{fused}.", f".{part}.")
+        for fused, part, _ in STACKED_PARAMS
+        if f".{fused}." in model_name
+    ]
+    return shards or [model_name]
+
+
+def _name_list(names: Iterable[str], limit: int = 10) -> str:
+    ordered = sorted(names)
+    more = f" ... and {len(ordered) - limit} more" if len(ordered) > limit else ""
+    return f"{ordered[:limit]}{more}"
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model: ``forward`` gives hidden states, ``compute_logits`` turns the
+    rows that need sampling into logits (vLLM keeps the two apart so the LM head,
+    the biggest matmul for small models, runs only on those rows)."""
+
+    @classmethod
+    def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderVariant(
+            qkv_bias=bias, o_proj_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)), qk_norm=False
+        )
+
+    def __init__(self, hf_config: PretrainedConfig) -> None:
+        super().__init__()
+        check_full_attention(hf_config)
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, self.decoder_variant(hf_config))
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(
+            hf_config.vocab_size, hf_config.hidden_size, tied_to=self.model.embed_tokens if tied else None
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata | None
+    ) -> torch.Tensor:
+        """input_ids, positions [num_tokens] int64 -> hidden states [num_tokens, hidden]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> fp32 logits [num_rows, vocab_size]."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into this model; returns the parameter names filled.
+
+        Fused layers receive each projection as a shard. A tied LM head shares the
+        embedding's parameter, so a checkpoint ``lm_head.weight`` is then redundant;
+        a checkpoint *without* one (tied weights saved once) gets the head tied here.
+        Raises ValueError naming any checkpoint tensor with no home, or any
+        parameter the checkpoint did not provide.
+        """
+        # Shared parameters appear once, under their first name: a tied head's
+        # weight is listed as model.embed_tokens.weight only.
+        params = dict(self.named_parameters())
+        seen: set[str] = set()  # checkpoint names consumed
+        unknown: list[str] = []
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # recomputed from the config, see rotary_embedding.py
+            model_name, shard_id = to_model_name(name)
+            if model_name not in params:
+                if name != "lm_head.weight":  # a redundant copy of a tied head is fine
+                    unknown.append(name)
+                continue
+            if shard_id is None:
+                copy_weight(params[model_name], tensor, name)
+            else:
+                fused = self.get_submodule(model_name.rpartition(".")[0])
+                assert isinstance(fused, MergedColumnLinear)
+                fused.load_shard(params[model_name], tensor, shard_id)
+            seen.add(name)
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__} has no parameter for checkpoint weights {_name_list(unknown)}."
+            )
+
+        missing = {ckpt for model_name in params for ckpt in to_checkpoint_names(model_name)} - seen
+        if "lm_head.weight" in missing and "model.embed_tokens.weight" in seen:
+            # No separate head in the checkpoint: the model was saved with tied weights.
+            self.lm_head.tie_to(self.model.embed_tokens)
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"The checkpoint lacks weights {_name_list(missing)} for {type(self).__name__}.")
+        return {to_model_name(name)[0] for name in seen}

@@ -1,0 +1,83 @@
+"""HfRenderer: prompts and chat conversations to token ids with a HF tokenizer.
+
+Chapter 5 (engine skeleton) lists it as ``LLMEngine.renderer``; chapter 1 uses it
+through ``LLM.chat``. vLLM 0.32 counterpart: ``vllm/renderers/hf.py``
+(``HfRenderer``), created in ``vllm/v1/engine/llm_engine.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
+
+from nanoengine.utils.component_tree import TreeNode
+
+
+class TextPrompt(TypedDict, total=False):
+    prompt: str
+
+
+class TokensPrompt(TypedDict, total=False):
+    prompt_token_ids: list[int]
+    prompt: str  # optional: the text the ids came from, echoed in RequestOutput
+
+
+# What generate() accepts for one prompt, as in vLLM.
+PromptType = str | TextPrompt | TokensPrompt
+ChatMessage = Mapping[str, Any]
+
+
+class RenderedPrompt(TypedDict):
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+class HfRenderer(TreeNode):
+    """Tokenizes text prompts and applies the model's chat template."""
+
+    tree_children = ()
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def render_prompt(self, prompt: PromptType) -> RenderedPrompt:
+        """One prompt in any accepted form -> text (if known) and token ids."""
+        if isinstance(prompt, str):
+            return {"prompt": prompt, "prompt_token_ids": self._encode(prompt)}
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]  # type: ignore[typeddict-item]
+                if not isinstance(ids, Sequence) or isinstance(ids, str):
+                    raise TypeError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}.")
+                return {"prompt": prompt.get("prompt"), "prompt_token_ids": list(ids)}
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                text = prompt["prompt"]
+                return {"prompt": text, "prompt_token_ids": self._encode(text)}
+        raise TypeError(
+            "A prompt must be a str, {'prompt': str} or {'prompt_token_ids': list[int]}, "
+            f"got {type(prompt).__name__}: {prompt!r:.80}."
+        )
+
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> RenderedPrompt:
+        """Apply the chat template; the result is a text prompt plus its ids."""
+        if not messages:
+            raise ValueError("A chat conversation needs at least one message, got [].")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("This model's tokenizer has no chat template; use generate() with plain text.")
+        text = self.tokenizer.apply_chat_template(
+            list(messages),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **dict(chat_template_kwargs or {}),
+        )
+        # The template already wrote any BOS token, so no special tokens are added.
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": list(ids)}
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))

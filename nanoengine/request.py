@@ -1,0 +1,180 @@
+"""Request and its 12-state RequestStatus: the unit the scheduler moves around.
+
+Chapter 5 (engine skeleton) walks the state machine; chapter 3 shows the scheduler
+moving requests between the waiting and running queues.
+vLLM 0.32 counterpart: ``vllm/v1/request.py`` (``Request``, ``RequestStatus``).
+
+The happy path is WAITING -> RUNNING -> FINISHED_*, with PREEMPTED as a detour
+back to the waiting queue when KV blocks run out. The three WAITING_FOR_* states
+are "blocked waiting": the request sits in the waiting queue but the scheduler
+skips it until the thing it waits for (a grammar, remote KV, more prompt) is ready.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+from nanoengine.engine import EngineCoreRequest, FinishReason
+from nanoengine.sampling_params import SamplingParams
+
+# A block hash is an opaque, hashable digest of one full block of tokens plus the
+# hash of the block before it (see core/kv_cache_utils.py). bytes keeps it compact.
+BlockHash = bytes
+
+
+class RequestStatus(enum.IntEnum):
+    """The 12 states of vLLM 0.32, in vLLM's order. The order is load-bearing:
+    every FINISHED_* value sorts after PREEMPTED, so ``is_finished`` is one compare."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    WAITING_FOR_STREAMING_REQ = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything below this line is a terminal state.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+    FINISHED_REPETITION = enum.auto()
+
+    def __str__(self) -> str:
+        return self.name
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        """Finished means "ordered after PREEMPTED" -- no separate flag is kept."""
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> FinishReason | None:
+        """The user-facing reason for a terminal state (None while still alive)."""
+        return _FINISHED_REASONS.get(status)
+
+
+# IGNORED (prompt too long) reads as "length" to the user, as in vLLM.
+_FINISHED_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_REPETITION: FinishReason.REPETITION,
+}
+
+
+class Request:
+    """One request as the engine core tracks it: tokens so far, progress, state.
+
+    ``num_computed_tokens`` counts tokens whose KV is (or, once the scheduled step
+    runs, will be) in the cache. The scheduler advances it *when it schedules*,
+    not when the model finishes -- the optimistic counting of chapter 3.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        block_hasher: Callable[[Request], list[BlockHash]] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.priority = priority
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        # Set when the request ends as IGNORED or ERROR, so the user learns why.
+        self.finish_message: str | None = None
+
+        self.prompt_token_ids = list(prompt_token_ids)
+        self._output_token_ids: list[int] = []
+        # prompt + outputs in one list: the model runner and hasher read it often.
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens served by the prefix cache on first schedule (-1 = not yet known).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+
+        # Hashes of every *full* block of this request's tokens, kept up to date
+        # as tokens arrive so the prefix cache can look them up in O(1).
+        self._block_hasher = block_hasher
+        self.block_hashes: list[BlockHash] = []
+        self.update_block_hashes()
+
+    @classmethod
+    def from_engine_core_request(
+        cls,
+        request: EngineCoreRequest,
+        block_hasher: Callable[[Request], list[BlockHash]] | None,
+    ) -> Request:
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            block_hasher=block_hasher,
+        )
+
+    # ---- token bookkeeping -------------------------------------------------
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling_params.max_tokens
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        """Record newly sampled tokens and extend the block hashes they complete."""
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    # ---- state -------------------------------------------------------------
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

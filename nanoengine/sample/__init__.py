@@ -1,0 +1,1 @@
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, seeds (chapter 7)."""

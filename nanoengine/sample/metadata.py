@@ -1,0 +1,32 @@
+"""Per-row sampling options, gathered into tensors once per step.
+
+Chapter 7. vLLM 0.32 counterpart: ``vllm/v1/sample/metadata.py`` (``SamplingMetadata``).
+
+Row i of every tensor belongs to the i-th request that samples this step, so one
+batch can mix greedy and random requests with different temperatures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [num_rows] float32; rows that are greedy hold 1.0
+    top_p: torch.Tensor  # [num_rows] float32; 1.0 disables
+    top_k: torch.Tensor  # [num_rows] int64; vocab_size disables
+    greedy_mask: torch.Tensor  # [num_rows] bool; True = take argmax
+    all_greedy: bool  # fast path: argmax only, no softmax at all
+    no_top_p: bool  # skip the sort when no row asks for top-p
+    no_top_k: bool
+    # row -> generator for requests with a seed; rows without one share the
+    # engine's default generator. A private generator per seeded request is what
+    # makes its tokens independent of which neighbours share the batch.
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # The shared stream for rows without a seed (None: torch's global generator).
+    default_generator: torch.Generator | None = None
+    # row -> token ids that must not be sampled yet (EOS/stop ids before min_tokens).
+    banned_token_ids: dict[int, list[int]] = field(default_factory=dict)

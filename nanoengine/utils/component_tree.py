@@ -1,0 +1,412 @@
+"""The live component tree: what an engine object is made of, and where in the source.
+
+Chapter 5 (engine skeleton) opens with a "source map": ``LLM`` owns an ``LLMEngine``,
+which owns an ``EngineCoreClient``, which owns an ``EngineCore``, which owns a
+``Scheduler``, ... each with the file and line that defines its class and the line
+where its owner creates it. Typed by hand, such a map goes stale with the first
+edit. Here it is computed from the live objects every time it is printed:
+
+* a class opts in by naming its component attributes in ``tree_children``;
+* ``defined_at`` is the ``class`` line, found through ``inspect``;
+* ``created_at`` is the ``self.<attr> = ...`` line in the owner's class (or one of
+  its base classes), found by parsing that source with ``ast``.
+
+``print(llm)`` shows the tree as plain text, ``rich.print(llm)`` in colour, and
+``build_component_tree(llm).to_dict()`` gives the same facts as JSON-ready data.
+
+vLLM 0.32 counterpart: none. vLLM's objects print as ordinary reprs; this module
+replaces the hand-made map in the study notes. Nothing here imports torch, so the
+torch-free ``nanoengine/core/`` classes can opt in too.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import io
+import linecache
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from rich.console import Console
+from rich.text import Text
+from rich.tree import Tree
+
+# The directory holding the ``nanoengine`` package: paths are shown relative to it,
+# so they read ``nanoengine/engine/core.py:<line>`` wherever the checkout lives.
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+_PATH_ROOT = _PACKAGE_DIR.parent
+
+DEFAULT_MAX_DEPTH = 16
+UNSET = "<unset>"  # shown in place of a class name when a component is still None
+_INIT_METHODS = frozenset({"__init__", "__post_init__"})
+_GUIDE_WIDTH = 4  # rich draws each tree level as a 4-cell guide, e.g. "├── "
+_COLUMN_GAP = "  "
+_UNWRAPPED_WIDTH = 1_000  # a page no label line comes near, so nothing wraps
+
+
+@dataclass(frozen=True)
+class SourceLocation:
+    """A line of source; ``path`` is already in display form (see ``format_location``)."""
+
+    path: str
+    line: int
+
+    def __str__(self) -> str:
+        return format_location(self)
+
+
+def format_location(location: SourceLocation) -> str:
+    """``path:line``, the form editors and terminals turn into a link."""
+    return f"{location.path}:{location.line}"
+
+
+def _display_path(filename: str) -> str:
+    """Relative to the directory holding ``nanoengine`` when inside it, else absolute."""
+    path = Path(filename).resolve()
+    if path.is_relative_to(_PATH_ROOT):
+        return path.relative_to(_PATH_ROOT).as_posix()
+    return str(path)
+
+
+@dataclass
+class ComponentNode:
+    """One object in the tree, as plain data (chapter 5 emits it as JSON)."""
+
+    attr: str | None  # the owner's attribute holding it; None for the root
+    class_name: str  # the live object's class, or UNSET for a None component
+    defined_at: SourceLocation | None  # the ``class`` line, when the source is known
+    created_at: SourceLocation | None  # the owner's ``self.<attr> = ...`` line
+    extra: str | None = None  # a short live detail, e.g. "num_blocks=1234"
+    note: str | None = None  # set by the builder: repeated object, depth limit
+    children: list[ComponentNode] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain dicts and lists, ready for ``json.dumps``."""
+        return asdict(self)
+
+
+class TreeNode:
+    """Mixin for engine components that print as a component tree.
+
+    Subclasses list their component attributes, in display order::
+
+        class EngineCore(TreeNode):
+            tree_children = ("model_executor", "scheduler")
+
+    ``__repr__`` is left alone on purpose: debuggers and log lines want one short line.
+    """
+
+    tree_children: ClassVar[tuple[str, ...]] = ()
+
+    def tree_label_extra(self) -> str | None:
+        """A short live detail shown next to the node; override to add one."""
+        return None
+
+    def __rich__(self) -> Tree:
+        return render_component_tree(self)
+
+    def __str__(self) -> str:
+        return tree_to_text(self)
+
+
+# --------------------------------------------------------------------------- source
+@dataclass(frozen=True)
+class _AssignmentSite:
+    """One ``self.<attr> = ...`` statement inside a class body."""
+
+    location: SourceLocation
+    in_init: bool  # __init__ (or __post_init__) is where components are normally made
+    called: str | None  # "Scheduler" for ``self.scheduler = Scheduler(...)``
+
+
+@dataclass(frozen=True)
+class _ClassSource:
+    """What one class's source says: its ``class`` line, and its attribute assignments."""
+
+    location: SourceLocation
+    sites: Mapping[str, tuple[_AssignmentSite, ...]]  # attr -> sites, in source order
+
+
+@functools.lru_cache(maxsize=None)
+def _parse_file(filename: str) -> ast.Module | None:
+    # linecache is where inspect reads source from too, so line numbers agree.
+    try:
+        return ast.parse("".join(linecache.getlines(filename)), filename)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _find_class_def(module: ast.Module, name: str, first_line: int) -> ast.ClassDef | None:
+    """The ClassDef that ``inspect`` located; its first line is a decorator when decorated."""
+    for node in ast.walk(module):
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            if min([d.lineno for d in node.decorator_list] + [node.lineno]) == first_line:
+                return node
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _read_class_source(cls: type) -> _ClassSource | None:
+    """Parse ``cls``'s source once; None for builtins and classes without a file."""
+    try:
+        filename = inspect.getsourcefile(cls)
+        _, first_line = inspect.getsourcelines(cls)
+    except (OSError, TypeError):
+        return None
+    module = _parse_file(filename) if filename else None
+    class_def = _find_class_def(module, cls.__name__, first_line) if module else None
+    if filename is None or class_def is None:
+        return None
+    path = _display_path(filename)
+    sites: dict[str, list[_AssignmentSite]] = {}
+    for method in class_def.body:
+        if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for attr, site in _self_assignments(method, path):
+                sites.setdefault(attr, []).append(site)
+    # ast.walk is breadth-first, so a nested `if` branch may come out of line order.
+    ordered = {a: tuple(sorted(found, key=lambda s: s.location.line)) for a, found in sites.items()}
+    return _ClassSource(SourceLocation(path, class_def.lineno), ordered)
+
+
+def _self_assignments(
+    method: ast.FunctionDef | ast.AsyncFunctionDef, path: str
+) -> Iterator[tuple[str, _AssignmentSite]]:
+    """Every ``self.<attr> = ...`` (plain, annotated or unpacked) inside one method."""
+    decorators = {d.id for d in method.decorator_list if isinstance(d, ast.Name)}
+    positional = method.args.posonlyargs + method.args.args
+    if not positional or decorators & {"staticmethod", "classmethod"}:
+        return
+    self_name = positional[0].arg  # "self" by convention, but not by rule
+    for node in ast.walk(method):
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        for target in targets:
+            for leaf in _flatten_target(target):
+                if (
+                    isinstance(leaf, ast.Attribute)
+                    and isinstance(leaf.value, ast.Name)
+                    and leaf.value.id == self_name
+                ):
+                    location = SourceLocation(path, leaf.lineno)
+                    in_init = method.name in _INIT_METHODS
+                    yield leaf.attr, _AssignmentSite(location, in_init, _called_name(value))
+
+
+def _flatten_target(target: ast.expr) -> Iterator[ast.expr]:
+    """``self.a, (self.b, *rest) = ...`` assigns several names; yield each of them."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        for element in target.elts:
+            yield from _flatten_target(element)
+    elif isinstance(target, ast.Starred):
+        yield from _flatten_target(target.value)
+    else:
+        yield target
+
+
+def _called_name(value: ast.expr) -> str | None:
+    """``Scheduler`` for ``Scheduler(...)`` and ``mod.Scheduler(...)``; None otherwise."""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+        return value.func.id
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
+        return value.func.attr
+    return None
+
+
+def class_defined_at(cls: type) -> SourceLocation | None:
+    """The line holding ``class <Name>`` (after any decorators), or None without source."""
+    source = _read_class_source(cls)
+    return source.location if source else None
+
+
+def code_location(obj: object) -> SourceLocation | None:
+    """Where a class or function is defined (its ``class``/``def`` line), or None."""
+    if isinstance(obj, type):
+        return class_defined_at(obj)
+    try:
+        filename = inspect.getsourcefile(obj)  # type: ignore[arg-type]
+        _, first_line = inspect.getsourcelines(obj)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return None
+    return SourceLocation(_display_path(filename), first_line) if filename else None
+
+
+def attribute_created_at(
+    owner: type, attr: str, child_class: str | None = None
+) -> SourceLocation | None:
+    """Where ``owner`` (or a base class) runs ``self.<attr> = ...``.
+
+    ``__init__`` wins over other methods, the subclass over its bases. When several
+    statements qualify, e.g. one per ``if`` branch, the one that calls ``child_class``
+    (the live object's class) is preferred, so the answer matches what actually ran.
+    """
+    sources = [s for s in map(_read_class_source, owner.__mro__) if s is not None]
+    # A stable sort keeps the MRO order (subclass first) within each of the two groups.
+    sites = sorted((site for s in sources for site in s.sites.get(attr, ())),
+                   key=lambda site: not site.in_init)
+    for site in sites:
+        if child_class is not None and site.called == child_class:
+            return site.location
+    return sites[0].location if sites else None
+
+
+# ---------------------------------------------------------------------------- build
+def _tree_children_of(obj: object) -> tuple[str, ...] | None:
+    """The attribute names ``obj`` shows as children; None when it is a leaf."""
+    names = getattr(type(obj), "tree_children", None)
+    if names is None:
+        return None
+    if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+        # The classic slip is ("scheduler") without the comma: a str, not a tuple.
+        raise TypeError(
+            f"{type(obj).__qualname__}.tree_children must be a tuple of attribute "
+            f"names, got {names!r}"
+        )
+    return names
+
+
+def _shown_class(obj: object) -> type:
+    # A component may be a class rather than an instance (an attention backend is
+    # chosen as a class); then the class itself is what the reader wants to find.
+    return obj if isinstance(obj, type) else type(obj)
+
+
+def _live_detail(obj: object) -> str | None:
+    """The ``tree_label_extra`` of a node, or a size for well-known leaves."""
+    if isinstance(obj, type):
+        return "the class itself"
+    hook = getattr(obj, "tree_label_extra", None)
+    if callable(hook):
+        try:
+            detail = hook()
+        except Exception as exc:  # printing must never be what crashes the engine
+            return f"tree_label_extra raised {type(exc).__name__}: {exc}"
+        return None if detail is None else str(detail)
+    torch = sys.modules.get("torch")  # only if someone else already paid to import it
+    if torch is not None and isinstance(obj, torch.nn.Module):
+        return f"params={sum(p.numel() for p in obj.parameters()):,}"
+    if isinstance(obj, (list, tuple, dict, set, frozenset)):
+        return f"len={len(obj)}"
+    return None
+
+
+@dataclass
+class _Builder:
+    """Walks the live objects once; remembers what it showed to cut cycles and repeats."""
+
+    max_depth: int
+    shown: dict[int, str] = field(default_factory=dict)  # id(obj) -> its path in the tree
+
+    def node(self, obj: object, attr: str | None, created_at: SourceLocation | None,
+             path: str, depth: int) -> ComponentNode:
+        if obj is None:
+            return ComponentNode(attr, UNSET, None, created_at)
+        cls = _shown_class(obj)
+        names = _tree_children_of(obj)
+        # Leaves from torch or the stdlib need no address: their type name says enough.
+        in_package = cls.__module__.partition(".")[0] == _PACKAGE_DIR.name
+        defined_at = class_defined_at(cls) if names is not None or in_package else None
+        node = ComponentNode(attr, cls.__name__, defined_at, created_at, _live_detail(obj))
+        if names is None:
+            return node
+        if id(obj) in self.shown:
+            node.note = f"same object as {self.shown[id(obj)]}"
+            return node
+        self.shown[id(obj)] = path
+        if depth >= self.max_depth and names:
+            node.note = "children hidden: depth limit"
+            return node
+        node.children = list(self.children(obj, names, path, depth + 1))
+        return node
+
+    def children(self, obj: object, names: tuple[str, ...], path: str,
+                 depth: int) -> Iterator[ComponentNode]:
+        missing = object()
+        for name in names:
+            child = getattr(obj, name, missing)
+            if child is missing:  # not created yet (or never, in this configuration)
+                continue
+            created_at = attribute_created_at(type(obj), name, _shown_class(child).__name__)
+            yield self.node(child, name, created_at, f"{path}.{name}", depth)
+
+
+def build_component_tree(obj: object, *, max_depth: int = DEFAULT_MAX_DEPTH) -> ComponentNode:
+    """The component tree of ``obj`` as data; ``max_depth`` levels below the root at most."""
+    if max_depth < 0:
+        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
+    return _Builder(max_depth).node(obj, None, None, type(obj).__name__, depth=0)
+
+
+# --------------------------------------------------------------------------- render
+def _head_text(node: ComponentNode) -> str:
+    return node.class_name if node.attr is None else f"{node.attr}: {node.class_name}"
+
+
+def _walk(node: ComponentNode, depth: int = 0) -> Iterator[tuple[ComponentNode, int]]:
+    yield node, depth
+    for child in node.children:
+        yield from _walk(child, depth + 1)
+
+
+def _measure(root: ComponentNode) -> tuple[int, int]:
+    """Column widths that line the locations up: (guides + "attr: Class", definition site)."""
+    rows = list(_walk(root))
+    head = max(_GUIDE_WIDTH * depth + len(_head_text(node)) for node, depth in rows)
+    return head, max(len(str(node.defined_at or "")) for node, _ in rows)
+
+
+def _label(node: ComponentNode, depth: int, widths: tuple[int, int]) -> Text:
+    """One line: ``attr: Class  defined_at  created at ...  extra  (note)``."""
+    label = Text()
+    if node.attr is not None:
+        label.append(node.attr, style="bold")
+        label.append(": ")
+    label.append(node.class_name, style="dim italic" if node.class_name == UNSET else "cyan")
+    head_width, defined_width = widths
+    label.pad_right(head_width - _GUIDE_WIDTH * depth - len(label))
+    label.append(_COLUMN_GAP)
+    label.append(str(node.defined_at or "").ljust(defined_width), style="blue")
+    if node.created_at is not None:
+        label.append(_COLUMN_GAP + "created at ", style="dim")
+        label.append(str(node.created_at), style="blue")
+    if node.extra:
+        label.append(_COLUMN_GAP + node.extra, style="green")
+    if node.note:
+        label.append(f"{_COLUMN_GAP}({node.note})", style="yellow")
+    label.rstrip()
+    return label
+
+
+def _to_rich(node: ComponentNode, depth: int, widths: tuple[int, int], tree: Tree | None) -> Tree:
+    label = _label(node, depth, widths)
+    branch = Tree(label, guide_style="dim") if tree is None else tree.add(label)
+    for child in node.children:
+        _to_rich(child, depth + 1, widths, branch)
+    return branch
+
+
+def render_component_tree(obj: object, *, max_depth: int = DEFAULT_MAX_DEPTH) -> Tree:
+    """A rich Tree of ``obj``'s components; pass a ComponentNode to render one built earlier."""
+    root = obj if isinstance(obj, ComponentNode) else build_component_tree(obj, max_depth=max_depth)
+    return _to_rich(root, 0, _measure(root), None)
+
+
+def tree_to_text(
+    obj: object, *, width: int | None = None, max_depth: int = DEFAULT_MAX_DEPTH
+) -> str:
+    """The tree as plain text; ``width=None`` leaves every line whole, however long."""
+    if width is not None and width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width or _UNWRAPPED_WIDTH, color_system=None)
+    console.print(render_component_tree(obj, max_depth=max_depth))
+    # rich pads every line to the page width; the padding is noise in a log.
+    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())

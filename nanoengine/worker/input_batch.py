@@ -1,0 +1,154 @@
+"""The worker's own copy of each running request, and one step's flattened inputs.
+
+Chapter 7 (``generate(...)``) follows a SchedulerOutput through here: the model
+runner keeps a ``CachedRequestState`` per request (so a decode step needs only
+ids and new blocks), and ``prepare_inputs`` flattens all scheduled tokens of all
+requests into one batch with positions, slot mapping, block tables and query
+start offsets -- the data paged attention needs.
+vLLM 0.32 counterpart: ``vllm/v1/worker/gpu_input_batch.py`` (``CachedRequestState``,
+``InputBatch``) and ``GPUModelRunner._prepare_inputs`` in
+``vllm/v1/worker/gpu_model_runner.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoengine.attention.backends.abstract import AttentionMetadata
+from nanoengine.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """What the worker remembers about one request between steps."""
+
+    req_id: str
+    token_ids: list[int]  # every known token: prompt, then sampled outputs
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # A private random stream for seeded requests, kept across preemption so a
+    # resumed request continues the same stream instead of restarting it.
+    generator: torch.Generator | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs, all on the device, plus bookkeeping for sampling."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    # Scheduled requests in batch order (decodes first, then prefills).
+    req_ids: list[str]
+    # Rows of the hidden states whose logits are needed: the last scheduled token
+    # of each request that reaches the end of its known tokens this step.
+    logits_indices: torch.Tensor  # [num_sampling_reqs] int64
+    sampling_req_ids: list[str] = field(default_factory=list)
+
+
+def order_decodes_first(num_scheduled_tokens: dict[str, int]) -> list[str]:
+    """Decodes (one query token) first, then prefills, each group in scheduler order.
+
+    The attention backend can then run all decodes as one uniform batch; vLLM's
+    ``reorder_batch`` makes the same promise to its backends.
+    """
+    decodes = [rid for rid, n in num_scheduled_tokens.items() if n == 1]
+    prefills = [rid for rid, n in num_scheduled_tokens.items() if n != 1]
+    return decodes + prefills
+
+
+# BEGIN EXERCISE 7.1
+def compute_slot_mapping(
+    block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """The flat KV-cache slot of every scheduled token.
+
+    Token t belongs to request ``req_indices[t]`` and sits at ``positions[t]`` in
+    that request's sequence. Its logical block is ``position // block_size``; the
+    block table turns that into a physical block id, and the slot is
+    ``block_id * block_size + position % block_size``.
+    """
+    # [num_tokens] physical block id of each token
+    block_ids = block_table[req_indices, positions // block_size].to(torch.int64)
+    return block_ids * block_size + positions % block_size
+# END EXERCISE 7.1
+
+
+def build_block_table(states: list[CachedRequestState]) -> torch.Tensor:
+    """[num_reqs, max_blocks] int32, padded with 0 (padding is never read: every
+    query's keys stop at its own seq_len)."""
+    width = max((len(s.block_ids) for s in states), default=0)
+    table = torch.zeros((len(states), max(width, 1)), dtype=torch.int32)
+    for row, state in enumerate(states):
+        if state.block_ids:
+            table[row, : len(state.block_ids)] = torch.tensor(state.block_ids, dtype=torch.int32)
+    return table
+
+
+def prepare_inputs(
+    states: list[CachedRequestState],
+    num_scheduled: list[int],
+    block_size: int,
+    device: torch.device,
+) -> StepInputs:
+    """Flatten one step: for request i, tokens ``[computed_i, computed_i + n_i)``.
+
+    ``states`` and ``num_scheduled`` are parallel and already in batch order;
+    ``num_computed_tokens`` is read *before* this step's tokens are counted.
+    """
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    input_ids: list[int] = []
+    positions: list[int] = []
+    req_indices: list[int] = []
+    logits_indices: list[int] = []
+    sampling_req_ids: list[str] = []
+    # Requests arrive decodes first, so the decodes are the leading run of 1s.
+    num_decodes = next((i for i, n in enumerate(num_scheduled) if n != 1), len(num_scheduled))
+    for row, (state, n) in enumerate(zip(states, num_scheduled)):
+        start = state.num_computed_tokens
+        input_ids.extend(state.token_ids[start : start + n])
+        positions.extend(range(start, start + n))
+        req_indices.extend([row] * n)
+        seq_lens.append(start + n)
+        query_start_loc.append(query_start_loc[-1] + n)
+        # A chunk that stops short of the known tokens is a partial prefill:
+        # its logits would predict a token we already have, so none are taken.
+        if start + n == len(state.token_ids):
+            logits_indices.append(query_start_loc[-1] - 1)
+            sampling_req_ids.append(state.req_id)
+
+    block_table = build_block_table(states)
+    positions_t = torch.tensor(positions, dtype=torch.int64)
+    slot_mapping = compute_slot_mapping(
+        block_table, torch.tensor(req_indices, dtype=torch.int64), positions_t, block_size
+    )
+    attn_metadata = AttentionMetadata(
+        num_actual_tokens=len(input_ids),
+        num_reqs=len(states),
+        num_decodes=num_decodes,
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=block_table.to(device),
+        slot_mapping=slot_mapping.to(device),
+        max_query_len=max(num_scheduled, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )
+    return StepInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=positions_t.to(device),
+        attn_metadata=attn_metadata,
+        req_ids=[s.req_id for s in states],
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        sampling_req_ids=sampling_req_ids,
+    )

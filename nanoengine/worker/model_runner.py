@@ -1,0 +1,272 @@
+"""ModelRunner: from a SchedulerOutput to sampled tokens, one forward pass per step.
+
+Chapter 7 (``generate(...)``) is this file: update the per-request states, flatten
+the scheduled tokens (worker/input_batch.py), run the model over the paged KV
+cache, take logits only where a token must be sampled, sample. Chapter 6 uses its
+``profile_run`` and ``initialize_kv_cache``.
+vLLM 0.32 counterpart: ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner``:
+``_update_states``, ``_prepare_inputs``, ``execute_model``, ``sample_tokens``,
+``profile_run``, ``initialize_kv_cache``).
+
+Like vLLM, a step is split in two: ``execute_model`` runs the forward pass and
+keeps the logits; ``sample_tokens`` samples once the engine has the grammar
+bitmask (structured output), which it computes while the forward pass runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nanoengine.attention.layer import bind_kv_cache
+from nanoengine.config import EngineConfig
+from nanoengine.core.sched.output import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from nanoengine.model_executor.model_loader import get_model
+from nanoengine.model_executor.models.llama import LlamaForCausalLM
+from nanoengine.sample.metadata import SamplingMetadata
+from nanoengine.sample.sampler import Sampler
+from nanoengine.sampling_params import SamplingParams
+from nanoengine.utils.component_tree import TreeNode
+from nanoengine.worker.input_batch import (
+    CachedRequestState,
+    StepInputs,
+    order_decodes_first,
+    prepare_inputs,
+)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The profile run's dummy requests sample nothing, but a state needs parameters.
+_GREEDY_PROFILE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+@dataclass
+class _PendingSample:
+    """Logits computed by execute_model, waiting for sample_tokens."""
+
+    req_ids: list[str]  # every scheduled request, batch order
+    sampling_req_ids: list[str]  # those that sample this step, logits row order
+    logits: torch.Tensor  # [num_sampling_reqs, vocab_size] fp32
+
+
+class ModelRunner(TreeNode):
+    """Owns the model, the KV cache tensors and the worker's request states."""
+
+    tree_children = ("model", "kv_caches", "sampler")
+
+    def __init__(self, engine_config: EngineConfig, device: torch.device) -> None:
+        self.engine_config = engine_config
+        self.model_config = engine_config.model_config
+        self.device = device
+        self.dtype = _TORCH_DTYPES[self.model_config.dtype]
+        self.block_size = engine_config.cache_config.block_size
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler()
+        # Requests without a seed share this stream; seeded ones get their own.
+        self.default_generator = torch.Generator(device=device)
+        self.default_generator.manual_seed(self.model_config.seed)
+        self._pending: _PendingSample | None = None
+        self.model: LlamaForCausalLM | None = None
+
+    # ---- construction (chapter 6) ------------------------------------------
+
+    def load_model(self) -> None:
+        self.model = get_model(
+            self.model_config.model_path, self.model_config.hf_config, self.dtype, self.device
+        )
+
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self._model().parameters())
+
+    def get_kv_cache_spec(self) -> FullAttentionSpec:
+        return FullAttentionSpec(
+            block_size=self.block_size,
+            num_kv_heads=self.model_config.num_kv_heads,
+            head_dim=self.model_config.head_dim,
+            dtype_size=torch.tensor([], dtype=self.dtype).element_size(),
+            num_layers=self.model_config.num_layers,
+        )
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
+
+        Zero-filled: torch takes zeroed pages lazily from the OS, so an untouched
+        block costs no RAM, and stale slots hold zeros rather than NaN garbage.
+        """
+        spec = self.get_kv_cache_spec()
+        shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.kv_caches = self._allocate_kv_caches(kv_cache_config.num_blocks)
+        bind_kv_cache(self._model(), self.kv_caches)
+
+    @torch.inference_mode()
+    def profile_run(self) -> float:
+        """One forward pass at the largest step the scheduler may send.
+
+        The batch has ``max_num_batched_tokens`` tokens cut into prompts of at most
+        ``max_model_len``, with a temporary KV cache just big enough for it, so the
+        peak memory measured afterwards includes real attention activations.
+        Returns the seconds it took.
+        """
+        sched = self.engine_config.scheduler_config
+        total = sched.max_num_batched_tokens
+        lengths = [min(sched.max_model_len, total - start) for start in range(0, total, sched.max_model_len)]
+        states: list[CachedRequestState] = []
+        next_block = 0
+        for i, length in enumerate(lengths):
+            num_blocks = -(-length // self.block_size)
+            states.append(
+                CachedRequestState(
+                    req_id=f"profile-{i}",
+                    token_ids=[0] * length,
+                    num_prompt_tokens=length,
+                    sampling_params=_GREEDY_PROFILE_PARAMS,
+                    block_ids=list(range(next_block, next_block + num_blocks)),
+                    num_computed_tokens=0,
+                )
+            )
+            next_block += num_blocks
+        bind_kv_cache(self._model(), self._allocate_kv_caches(next_block))
+        start_time = time.perf_counter()
+        inputs = prepare_inputs(states, lengths, self.block_size, self.device)
+        self._forward(inputs)
+        elapsed = time.perf_counter() - start_time
+        # Unbind the temporary cache so its memory goes back before the budget is
+        # measured; initialize_kv_cache binds the real one afterwards.
+        bind_kv_cache(self._model(), [torch.empty(0) for _ in range(self.model_config.num_layers)])
+        return elapsed
+
+    # ---- one step (chapter 7) ----------------------------------------------
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply the scheduler's deltas to the worker's copy of each request."""
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        # Preempted requests keep their state (and random stream) but lose their
+        # blocks; they come back as "new" with a fresh block table.
+        for new in scheduler_output.scheduled_new_reqs:
+            previous = self.requests.get(new.req_id)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=previous.generator if previous else self._make_generator(new.sampling_params.seed),
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            state = self.requests[req_id]
+            state.block_ids.extend(new_blocks)
+            state.num_computed_tokens = num_computed
+
+    def _make_generator(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        return generator
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run the forward pass; return None and leave the logits for sample_tokens."""
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            self._pending = None
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        req_ids = order_decodes_first(scheduler_output.num_scheduled_tokens)
+        states = [self.requests[rid] for rid in req_ids]
+        num_scheduled = [scheduler_output.num_scheduled_tokens[rid] for rid in req_ids]
+        inputs = prepare_inputs(states, num_scheduled, self.block_size, self.device)
+        self._pending = _PendingSample(req_ids, inputs.sampling_req_ids, self._forward(inputs))
+        # The scheduler already counted these tokens as computed (optimistically);
+        # the worker's copy catches up now that their KV is really written.
+        for state, n in zip(states, num_scheduled):
+            state.num_computed_tokens += n
+        return None
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states for all tokens, logits only for the rows that sample."""
+        model = self._model()
+        hidden = model(inputs.input_ids, inputs.positions, inputs.attn_metadata)  # [num_tokens, hidden]
+        return model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling_reqs, vocab]
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """Sample one token for each request whose prompt is fully computed."""
+        pending = self._pending
+        if pending is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        self._pending = None
+        states = [self.requests[rid] for rid in pending.sampling_req_ids]
+        logits = pending.logits
+        if grammar_output is not None:
+            logits = apply_grammar_bitmask(logits, pending.sampling_req_ids, grammar_output)
+        sampled = self.sampler(logits, self._sampling_metadata(states)).tolist()
+        by_req: dict[str, list[int]] = {}
+        for state, token in zip(states, sampled):
+            state.token_ids.append(token)
+            by_req[state.req_id] = [token]
+        return ModelRunnerOutput(
+            req_ids=pending.req_ids,
+            sampled_token_ids=[by_req.get(rid, []) for rid in pending.req_ids],
+        )
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        """Gather per-request options into per-row tensors for the sampler."""
+        params = [s.sampling_params for s in states]
+        vocab = self.model_config.vocab_size
+        greedy = [p.greedy for p in params]
+        return SamplingMetadata(
+            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            top_p=torch.tensor([p.top_p for p in params]),
+            top_k=torch.tensor([vocab if p.top_k < 1 else p.top_k for p in params]),
+            greedy_mask=torch.tensor(greedy, dtype=torch.bool),
+            all_greedy=all(greedy),
+            no_top_p=all(p.top_p >= 1.0 for p in params),
+            no_top_k=all(p.top_k < 1 for p in params),
+            generators={row: s.generator for row, s in enumerate(states) if s.generator is not None},
+            # min_tokens: the stop ids (EOS included) are forbidden until enough
+            # tokens exist, so the request cannot end too early.
+            banned_token_ids={
+                row: sorted(s.sampling_params.all_stop_token_ids)
+                for row, s in enumerate(states)
+                if s.num_output_tokens < s.sampling_params.min_tokens and s.sampling_params.all_stop_token_ids
+            },
+            default_generator=self.default_generator,
+        )
+
+    def _model(self) -> LlamaForCausalLM:
+        if self.model is None:
+            raise RuntimeError("load_model() must run before the model is used.")
+        return self.model
+
+
+def apply_grammar_bitmask(
+    logits: torch.Tensor, row_req_ids: list[str], grammar_output: GrammarOutput
+) -> torch.Tensor:
+    """Forbid tokens a request's grammar does not allow at this point.
+
+    ``grammar_output.bitmask`` is a bool tensor [num_structured_reqs, vocab]
+    (True = allowed), one row per id in ``structured_output_request_ids``.
+    """
+    allowed = torch.as_tensor(grammar_output.bitmask, dtype=torch.bool, device=logits.device)
+    row_of = {rid: row for row, rid in enumerate(row_req_ids)}
+    for mask_row, req_id in enumerate(grammar_output.structured_output_request_ids):
+        row = row_of.get(req_id)
+        if row is not None:
+            logits[row, : allowed.shape[1]].masked_fill_(~allowed[mask_row], float("-inf"))
+    return logits

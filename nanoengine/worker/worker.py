@@ -1,0 +1,136 @@
+"""Worker: the four construction steps of chapter 6, then one call per engine step.
+
+``LLM(...)`` reaches the worker through the executor and runs, in this order:
+``init_device`` -> ``load_model`` -> ``determine_available_memory`` ->
+``initialize_from_config``. The third one is the pivot of chapter 6: a profiling
+forward pass shows what the model needs, and what is left of the budget becomes
+the KV cache -- which fixes how many requests can run at once (chapter 2).
+vLLM 0.32 counterpart: ``vllm/v1/worker/gpu_worker.py`` (``Worker``) and, for the
+CPU budget, ``vllm/v1/worker/cpu_worker.py`` (``CPUWorker.determine_available_memory``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from nanoengine.config import EngineConfig
+from nanoengine.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from nanoengine.utils.component_tree import TreeNode
+from nanoengine.worker.model_runner import ModelRunner
+
+
+@dataclass
+class MemoryProfile:
+    """What ``determine_available_memory`` measured and decided, in bytes."""
+
+    device: str
+    weights_bytes: int
+    peak_activation_bytes: int  # CUDA only; CPU has no reliable allocator counter
+    budget_source: str  # which knob set the KV budget, in words
+    kv_cache_bytes: int
+    profile_seconds: float
+
+
+class Worker(TreeNode):
+    """One device, one model runner."""
+
+    tree_children = ("model_runner",)
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.engine_config = engine_config
+        self.device = torch.device(engine_config.device_config.device)
+        self.model_runner: ModelRunner | None = None
+        self.memory_profile: MemoryProfile | None = None
+
+    def init_device(self) -> None:
+        """Pick the device and seed every random stream the engine owns."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()
+        torch.manual_seed(self.engine_config.model_config.seed)
+        self.model_runner = ModelRunner(self.engine_config, self.device)
+
+    def load_model(self) -> None:
+        self._runner().load_model()
+
+    def get_kv_cache_spec(self) -> FullAttentionSpec:
+        return self._runner().get_kv_cache_spec()
+
+    @torch.inference_mode()
+    def determine_available_memory(self) -> int:
+        """Run the profiling pass and return the bytes the KV cache may use."""
+        runner = self._runner()
+        cache_config = self.engine_config.cache_config
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        profile_seconds = runner.profile_run()
+        weights = runner.weights_bytes()
+        peak_activation = 0
+        if cache_config.kv_cache_memory_bytes is not None:
+            kv_bytes, source = cache_config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        elif self.device.type == "cuda":
+            peak_activation = torch.cuda.max_memory_allocated(self.device) - weights
+            kv_bytes, source = self._cuda_budget(weights + peak_activation), "gpu_memory_utilization"
+        else:
+            kv_bytes, source = self._cpu_budget(), "cpu_kv_cache_fraction of available RAM"
+        self.memory_profile = MemoryProfile(
+            device=self.device.type,
+            weights_bytes=weights,
+            peak_activation_bytes=peak_activation,
+            budget_source=source,
+            kv_cache_bytes=kv_bytes,
+            profile_seconds=profile_seconds,
+        )
+        return kv_bytes
+
+    def _cpu_budget(self) -> int:
+        """A fraction of the RAM still available after loading, capped.
+
+        The weights and the profiling pass already live in this process, so
+        "available" is what is left for everything else on the machine too; the
+        fraction leaves most of it alone.
+        """
+        cache_config = self.engine_config.cache_config
+        budget = int(available_ram_bytes() * cache_config.cpu_kv_cache_fraction)
+        return min(budget, cache_config.cpu_kv_cache_max_bytes)
+
+    def _cuda_budget(self, torch_peak_bytes: int) -> int:
+        """The utilisation share of the whole GPU, minus what the model and any
+        other process already take."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory used outside this process's torch allocator (CUDA context, other
+        # processes) still counts against the share.
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        allowed = int(total * self.engine_config.cache_config.gpu_memory_utilization)
+        return max(allowed - torch_peak_bytes - max(non_torch, 0), 0)
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate the KV cache the engine decided on and bind it to the layers."""
+        self._runner().initialize_kv_cache(kv_cache_config)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self._runner().execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self._runner().sample_tokens(grammar_output)
+
+    def _runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError("init_device() must run before the worker is used.")
+        return self.model_runner
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else free physical pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

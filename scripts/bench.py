@@ -1,0 +1,397 @@
+"""Offline throughput: nanoengine versus Hugging Face ``generate``, in one run.
+
+Chapter 2 (batch size) uses these numbers: a static batch, as HF's ``generate``
+runs it, pays for padding and for its longest request, while continuous batching
+refills a slot the moment a request finishes. vLLM 0.32 counterpart:
+``vllm/benchmarks/throughput.py`` (``vllm bench throughput``), which likewise feeds
+fixed token ids and counts generated tokens per second.
+
+Two workloads of random token ids (fixed seed, so every run sees the same ones):
+
+* A -- 32 prompts of 32..256 tokens, each generating exactly 128 tokens;
+* B -- 64 prompts of 32..256 tokens, each generating its own 16..256 tokens.
+
+Both systems decode greedily and never stop early (``ignore_eos`` for the engine,
+``min_new_tokens`` for HF). Throughput = useful tokens (the sum of every request's
+``max_tokens``) / wall time; the tokens HF generates for a padded row past its own
+request's length are waste and are not counted. The median of ``--repeats`` runs
+is reported, after a warm-up of each system.
+
+Usage: ``python scripts/bench.py [--workload A|B|all] [--quick] [--json out.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoModelForCausalLM
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.renderers.hf import TokensPrompt
+from nanoengine.transformers_utils.config import DEFAULT_MODEL, get_hf_config, resolve_model_path
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """The shape of a workload; the token ids themselves come from ``make_workload``."""
+
+    name: str
+    num_prompts: int
+    prompt_len: tuple[int, int]  # inclusive range
+    max_tokens: tuple[int, int]  # inclusive range, per request
+
+
+FULL_SPECS = {
+    "A": WorkloadSpec("A", num_prompts=32, prompt_len=(32, 256), max_tokens=(128, 128)),
+    "B": WorkloadSpec("B", num_prompts=64, prompt_len=(32, 256), max_tokens=(16, 256)),
+}
+# --quick: the same two shapes, small enough for a smoke run in well under a minute.
+QUICK_SPECS = {
+    "A": WorkloadSpec("A", num_prompts=8, prompt_len=(16, 64), max_tokens=(16, 16)),
+    "B": WorkloadSpec("B", num_prompts=8, prompt_len=(16, 64), max_tokens=(4, 32)),
+}
+
+
+@dataclass
+class Workload:
+    """Concrete requests: prompt token ids and how many tokens each must generate."""
+
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]  # one per prompt
+
+    @property
+    def useful_tokens(self) -> int:
+        # The numerator of every tok/s figure. Prompt tokens are left out: both
+        # systems must prefill them, and counting them would flatter long prompts.
+        return sum(self.max_tokens)
+
+    def summary(self) -> dict[str, int]:
+        sizes = {"prompts": len(self.prompts), "prompt_tokens": sum(len(p) for p in self.prompts)}
+        return {**sizes, "useful_tokens": self.useful_tokens}
+
+
+@dataclass
+class Measurement:
+    """All timed repeats of one system on one workload."""
+
+    workload: str
+    system: str
+    useful_tokens: int
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def tok_per_s(self) -> list[float]:
+        return [self.useful_tokens / s for s in self.seconds]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.tok_per_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "tok_per_s": self.tok_per_s, "tok_per_s_median": self.median}
+
+
+def make_workload(spec: WorkloadSpec, vocab_size: int, seed: int) -> Workload:
+    """Random prompt ids and per-request lengths, reproducible from ``seed``."""
+    # Random ids rather than text: no tokenizer in the timed path, exact control
+    # over lengths, and the same ids reach both systems. The model's answers are
+    # gibberish, which costs exactly as much to compute as prose.
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(spec.prompt_len[0], spec.prompt_len[1] + 1, size=spec.num_prompts)
+    prompts = [rng.integers(0, vocab_size, size=int(n)).tolist() for n in lengths]
+    max_tokens = rng.integers(spec.max_tokens[0], spec.max_tokens[1] + 1, size=spec.num_prompts)
+    return Workload(spec.name, prompts, [int(m) for m in max_tokens])
+
+
+class System(Protocol):
+    """Something that can generate a workload; each benchmarked system implements it."""
+
+    name: str
+
+    def run(self, workload: Workload) -> list[list[int]]:
+        """Generate every request of ``workload``; return each request's new token ids."""
+        ...
+
+
+class EngineSystem:
+    """nanoengine's ``LLM.generate``: continuous batching over the whole workload."""
+
+    name = "nanoengine"
+
+    def __init__(self, model_path: str, engine_kwargs: dict[str, Any]) -> None:
+        # Built once, outside the timed region: weight loading and KV cache sizing
+        # (chapter 6) are start-up costs, not throughput.
+        self.llm = LLM(model=model_path, **engine_kwargs)
+
+    def run(self, workload: Workload) -> list[list[int]]:
+        # One generate() call for the whole workload: the scheduler sees every
+        # request at once and keeps up to max_num_seqs of them in flight.
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in workload.max_tokens]
+        prompts: list[TokensPrompt] = [{"prompt_token_ids": ids} for ids in workload.prompts]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        tokens = [list(out.outputs[0].token_ids) for out in outputs]
+        check_lengths(self.name, tokens, workload.max_tokens)
+        return tokens
+
+
+class HFSystem:
+    """HF ``generate`` on left-padded static batches of ``batch_size`` requests."""
+
+    name = "HF generate"
+
+    def __init__(self, model_path: str, batch_size: int) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, local_files_only=True
+        )
+        self.model.eval()
+        pad_id = self.model.generation_config.pad_token_id
+        # Which id fills the padding does not matter (the attention mask hides it),
+        # but generate() warns without one.
+        self.pad_token_id = int(pad_id if pad_id is not None else self.model.config.eos_token_id)
+        self.batch_size = batch_size
+
+    def run(self, workload: Workload) -> list[list[int]]:
+        # Batches are cut in workload order, not sorted by length: a user of
+        # generate() rarely knows the answer lengths in advance either.
+        tokens: list[list[int]] = []
+        for start in range(0, len(workload.prompts), self.batch_size):
+            prompts = workload.prompts[start : start + self.batch_size]
+            wanted = workload.max_tokens[start : start + self.batch_size]
+            # A static batch runs until its longest request is done; shorter
+            # requests keep decoding (wasted work) and are trimmed afterwards.
+            rows = self._generate_batch(prompts, max(wanted))
+            tokens.extend(row[:m] for row, m in zip(rows, wanted))
+        check_lengths(self.name, tokens, workload.max_tokens)
+        return tokens
+
+    def _generate_batch(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        """One ``generate`` call; returns each row's ``new_tokens`` generated ids."""
+        # Left padding, so every row's last prompt token sits in the same column
+        # and the first generated token of all rows is appended at once.
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)  # [batch, width]
+        attention_mask = torch.zeros_like(input_ids)  # 1 = real token, 0 = left padding
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=False,
+                # min == max: EOS cannot end a row early, like ignore_eos.
+                min_new_tokens=new_tokens,
+                max_new_tokens=new_tokens,
+                pad_token_id=self.pad_token_id,
+            )  # [batch, width + new_tokens]
+        return [row.tolist() for row in out[:, width:]]
+
+    def greedy_reference(self, prompt: list[int], num_tokens: int) -> list[int]:
+        """Plain greedy decoding of one unpadded prompt, the ground truth for agreement.
+
+        Not ``generate(min_new_tokens=...)``: that masks EOS out of the logits, while
+        ``ignore_eos`` lets the engine pick EOS and keep going, so the two would
+        legitimately differ wherever EOS is the argmax.
+        """
+        tokens: list[int] = []
+        with torch.inference_mode():
+            out = self.model(torch.tensor([prompt]), use_cache=True)
+            while True:
+                tokens.append(int(out.logits[0, -1].argmax()))  # logits: [1, seq, vocab]
+                if len(tokens) == num_tokens:
+                    return tokens
+                step = torch.tensor([[tokens[-1]]])  # [1, 1]
+                out = self.model(step, cache=out.cache, use_cache=True)
+
+
+def check_lengths(system: str, tokens: list[list[int]], wanted: list[int]) -> None:
+    """A system that returns fewer tokens than asked would look faster than it is."""
+    for i, (got, want) in enumerate(zip(tokens, wanted)):
+        if len(got) != want:
+            raise RuntimeError(f"{system}: request {i} produced {len(got)} tokens, expected {want}")
+
+
+@dataclass
+class Agreement:
+    """Engine tokens versus the HF reference for one request."""
+
+    compared: int
+    matching_prefix: int
+    first_diff: int | None  # index of the first differing token; None: all agree
+
+    @classmethod
+    def of(cls, engine_tokens: list[int], reference: list[int]) -> Agreement:
+        pairs = enumerate(zip(engine_tokens, reference))
+        first_diff = next((i for i, (a, b) in pairs if a != b), None)
+        return cls(len(reference), len(reference) if first_diff is None else first_diff, first_diff)
+
+    def describe(self) -> str:
+        # After the first difference the two continue from different text, so
+        # later (dis)agreement means nothing: only the common prefix is reported.
+        where = "all agree" if self.first_diff is None else f"first difference at token {self.first_diff}"
+        return f"{self.matching_prefix}/{self.compared} tokens ({where})"
+
+
+def warm_up(system: System, vocab_size: int) -> None:
+    """One small untimed run: first-call costs (allocation, lazy init) stay out of the numbers."""
+    spec = WorkloadSpec("warm-up", num_prompts=2, prompt_len=(16, 32), max_tokens=(4, 4))
+    system.run(make_workload(spec, vocab_size, seed=12345))
+
+
+def measure(
+    systems: list[System], workloads: list[Workload], repeats: int, console: Console
+) -> list[Measurement]:
+    """Time every system on every workload; repeats are interleaved so drift hits all alike."""
+    results = {
+        (w.name, s.name): Measurement(w.name, s.name, w.useful_tokens) for w in workloads for s in systems
+    }
+    for repeat in range(repeats):
+        for workload in workloads:
+            for system in systems:
+                started = time.perf_counter()
+                system.run(workload)
+                seconds = time.perf_counter() - started
+                results[(workload.name, system.name)].seconds.append(seconds)
+                console.print(
+                    f"  repeat {repeat + 1}/{repeats}  {workload.name}  {system.name:<12} "
+                    f"{seconds:7.2f} s  {workload.useful_tokens / seconds:8.1f} tok/s"
+                )
+    return list(results.values())
+
+
+def build_systems(args: argparse.Namespace, model_path: str) -> tuple[list[System], dict[str, Any]]:
+    """The systems to compare, and the engine settings used ({} when it is skipped)."""
+    systems: list[System] = []
+    engine_kwargs: dict[str, Any] = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enforce_eager": True,
+        # Repeats send identical prompts; a prefix cache would serve repeat 2 from
+        # repeat 1 and measure memory, not generation.
+        "enable_prefix_caching": args.prefix_caching,
+    }
+    if not args.skip_engine:
+        systems.append(EngineSystem(model_path, engine_kwargs))
+    if not args.skip_hf:
+        systems.append(HFSystem(model_path, args.hf_batch))
+    # --- place for a later --vs-vllm option (not implemented) -----------------------
+    # A VLLMSystem running vllm.LLM(...).generate on the same Workload objects would be
+    # appended here, so that its row lands in the same table and JSON.
+    return systems, ({} if args.skip_engine else engine_kwargs)
+
+
+def check_agreement(systems: list[System], workload: Workload, num_tokens: int) -> Agreement | None:
+    """Compare the engine's greedy tokens for request 0 with an unpadded HF reference."""
+    engine = next((s for s in systems if isinstance(s, EngineSystem)), None)
+    hf = next((s for s in systems if isinstance(s, HFSystem)), None)
+    if engine is None or hf is None:
+        return None
+    n = min(num_tokens, workload.max_tokens[0])
+    single = Workload(workload.name, workload.prompts[:1], [n])
+    return Agreement.of(engine.run(single)[0], hf.greedy_reference(single.prompts[0], n))
+
+
+def render_table(results: list[Measurement], engine_kwargs: dict[str, Any], threads: int) -> Table:
+    """One row per (workload, system); the ratio is against HF on the same workload."""
+    hf_median = {m.workload: m.median for m in results if m.system == HFSystem.name}
+    table = Table(title="Offline throughput (useful generated tokens / s)")
+    for column in ("workload", "system", "tok/s median", "min..max", "vs HF"):
+        table.add_column(column, justify="left" if column in ("workload", "system") else "right")
+    for m in results:
+        ratio = m.median / hf_median[m.workload] if m.workload in hf_median else None
+        table.add_row(
+            m.workload,
+            m.system,
+            f"{m.median:.1f}",
+            f"{min(m.tok_per_s):.1f}..{max(m.tok_per_s):.1f}",
+            f"{ratio:.2f}x" if ratio is not None else "-",
+        )
+    settings = ", ".join(f"{k}={v}" for k, v in engine_kwargs.items()) or "not run"
+    table.caption = f"engine: {settings}; torch threads={threads}"
+    return table
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="nanoengine vs HF generate: offline throughput")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="short name, local dir or hub id")
+    parser.add_argument("--workload", choices=["A", "B", "all"], default="all")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads")
+    parser.add_argument("--quick", action="store_true", help="small workloads, for a smoke run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-batch", type=int, default=32, help="static batch size for HF generate")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--prefix-caching", action="store_true", help="enable the engine's prefix cache")
+    parser.add_argument("--check-tokens", type=int, default=32, help="greedy tokens compared with HF")
+    parser.add_argument("--skip-hf", action="store_true", help="benchmark the engine only")
+    parser.add_argument("--skip-engine", action="store_true", help="benchmark HF only (baseline)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    # Reserved: --vs-vllm (see build_systems).
+    args = parser.parse_args(argv)
+    if args.skip_hf and args.skip_engine:
+        parser.error("--skip-hf and --skip-engine together leave nothing to benchmark")
+    for name in ("repeats", "threads", "hf_batch", "check_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console()
+    torch.set_num_threads(args.threads)
+    # Both systems load this one folder, so they compute with identical weights.
+    model_path = resolve_model_path(args.model)
+    vocab_size = int(get_hf_config(model_path).vocab_size)
+
+    specs = QUICK_SPECS if args.quick else FULL_SPECS
+    # Each workload's seed comes from its place in the spec table, so "--workload B"
+    # alone builds exactly the B of "--workload all".
+    workloads = [
+        make_workload(spec, vocab_size, seed=args.seed + i)
+        for i, (name, spec) in enumerate(specs.items())
+        if args.workload in ("all", name)
+    ]
+    for w in workloads:
+        console.print(f"workload {w.name}: " + ", ".join(f"{k}={v}" for k, v in w.summary().items()))
+
+    systems, engine_kwargs = build_systems(args, model_path)
+    for system in systems:
+        console.print(f"warming up {system.name} ...")
+        warm_up(system, vocab_size)
+    results = measure(systems, workloads, args.repeats, console)
+
+    agree = check_agreement(systems, workloads[0], args.check_tokens)
+    console.print(render_table(results, engine_kwargs, args.threads))
+    if agree is not None:
+        console.print(f"greedy agreement, workload {workloads[0].name} request 0: {agree.describe()}")
+    if args.json:
+        # Everything in the table plus the raw per-repeat seconds, for plots and comparisons.
+        report = {
+            "args": vars(args),
+            "engine": engine_kwargs,
+            "torch": torch.__version__,
+            "workloads": {w.name: w.summary() for w in workloads},
+            "results": [m.to_json() for m in results],
+            "agreement": None if agree is None else asdict(agree),
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny random models (built once per session) and the real default model."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_models import make_tiny_model_dir
+
+# Two cores: let torch use both, and keep tokenizers from spawning its own pool.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(os.cpu_count() or 1, 1))
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """tiny_model_factory("qwen3", tie=False) -> path of a ready HF directory (cached)."""
+    made: dict[tuple[str, bool], str] = {}
+
+    def make(arch: str = "llama", tie: bool = True) -> str:
+        key = (arch, tie)
+        if key not in made:
+            root = tmp_path_factory.mktemp(f"tiny-{arch}-{'tied' if tie else 'untied'}")
+            made[key] = str(make_tiny_model_dir(root, arch, tie=tie))
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory: Callable[..., str]) -> str:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    """The converted SmolLM2-135M-Instruct; `make test` prepares it before pytest runs."""
+    from nanoengine.transformers_utils.config import resolve_model_path
+
+    return resolve_model_path("SmolLM2-135M-Instruct")

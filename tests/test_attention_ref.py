@@ -1,0 +1,189 @@
+"""The torch reference paged-attention backend against dense causal attention.
+
+Every scenario replays a sequence of engine steps (prefills, chunks, decodes,
+mixed) over a paged cache whose blocks are shuffled and whose unwritten slots hold
+NaN, and checks each step's output rows against attention computed densely, in
+float64, over each request's full sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from nanoengine.attention.backends.abstract import AttentionMetadata
+from nanoengine.attention.backends.torch_ref import TorchRefAttentionImpl
+from nanoengine.attention.layer import Attention, bind_kv_cache
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 40
+HEAD_DIM = 8
+
+
+def make_attn_metadata(
+    num_computed: list[int], num_new: list[int], block_ids: list[list[int]], block_size: int
+) -> AttentionMetadata:
+    """Metadata for one step: request i already has num_computed[i] tokens cached
+    and schedules num_new[i] more. Requests must be ordered decodes first."""
+    num_decodes = next((i for i, n in enumerate(num_new) if n != 1), len(num_new))
+    assert all(n != 1 for n in num_new[num_decodes:]), "decodes must come first"
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    slots: list[int] = []
+    for computed, new, blocks in zip(num_computed, num_new, block_ids):
+        query_start_loc.append(query_start_loc[-1] + new)
+        seq_lens.append(computed + new)
+        for pos in range(computed, computed + new):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    width = max(len(b) for b in block_ids)
+    table = torch.zeros(len(block_ids), width, dtype=torch.int32)
+    for row, blocks in enumerate(block_ids):
+        table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    return AttentionMetadata(
+        num_actual_tokens=query_start_loc[-1],
+        num_reqs=len(num_new),
+        num_decodes=num_decodes,
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=max(num_new),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def allocate_blocks(lengths: list[int], block_size: int, num_blocks: int, seed: int = 0) -> list[list[int]]:
+    """Disjoint, shuffled physical blocks for requests of these total lengths."""
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    out: list[list[int]] = []
+    for length in lengths:
+        need = math.ceil(length / block_size)
+        out.append(perm[:need])
+        perm = perm[need:]
+    return out
+
+
+@dataclass
+class Sequence:
+    """One request's full q/k/v, and how much of it the cache already holds."""
+
+    q: torch.Tensor  # [L, Hq, D]
+    k: torch.Tensor  # [L, Hkv, D]
+    v: torch.Tensor
+    blocks: list[int]
+    computed: int = 0
+
+
+def dense_reference(seq: Sequence, start: int, end: int, scale: float) -> torch.Tensor:
+    """Causal attention of query rows [start, end) over the whole sequence, float64."""
+    group = seq.q.shape[1] // seq.k.shape[1]
+    q = seq.q[start:end].double().transpose(0, 1)  # [Hq, n, D]
+    k = seq.k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+    v = seq.v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q @ k.transpose(1, 2) * scale  # [Hq, n, L]
+    query_pos = torch.arange(start, end)[:, None]
+    scores = scores.masked_fill(torch.arange(seq.q.shape[0])[None, :] > query_pos, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1).float()  # [n, Hq, D]
+
+
+def make_sequences(lengths: list[int], num_heads: int, num_kv_heads: int) -> list[Sequence]:
+    blocks = allocate_blocks(lengths, BLOCK_SIZE, NUM_BLOCKS)
+    return [
+        Sequence(
+            torch.randn(n, num_heads, HEAD_DIM),
+            torch.randn(n, num_kv_heads, HEAD_DIM),
+            torch.randn(n, num_kv_heads, HEAD_DIM),
+            b,
+        )
+        for n, b in zip(lengths, blocks)
+    ]
+
+
+def nan_cache(num_kv_heads: int) -> torch.Tensor:
+    # NaN everywhere: any unwritten slot that leaks into a result shows up as NaN.
+    return torch.full((2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM), float("nan"))
+
+
+def run_step(seqs: list[Sequence], steps: list[tuple[int, int]], kv_cache: torch.Tensor) -> None:
+    """Schedule (request index, num_new) pairs as one batch and check every output row."""
+    chosen = [seqs[i] for i, _ in steps]
+    num_new = [n for _, n in steps]
+    md = make_attn_metadata([s.computed for s in chosen], num_new, [s.blocks for s in chosen], BLOCK_SIZE)
+    q = torch.cat([s.q[s.computed : s.computed + n] for s, n in zip(chosen, num_new)])
+    k = torch.cat([s.k[s.computed : s.computed + n] for s, n in zip(chosen, num_new)])
+    v = torch.cat([s.v[s.computed : s.computed + n] for s, n in zip(chosen, num_new)])
+    scale = HEAD_DIM**-0.5
+    out = TorchRefAttentionImpl().forward(q, k, v, kv_cache, md, scale)
+    assert not out.isnan().any()
+    for row, (s, n) in enumerate(zip(chosen, num_new)):
+        got = out[md.query_start_loc_cpu[row] : md.query_start_loc_cpu[row + 1]]
+        want = dense_reference(s, s.computed, s.computed + n, scale)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        s.computed += n
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
+def test_pure_prefill_of_several_requests(num_kv_heads: int) -> None:
+    # 8 fills two blocks exactly; 5 and 13 end mid-block.
+    seqs = make_sequences([5, 8, 13], num_heads=4, num_kv_heads=num_kv_heads)
+    run_step(seqs, [(0, 5), (1, 8), (2, 13)], nan_cache(num_kv_heads))
+
+
+def test_decode_batch_crossing_block_boundaries() -> None:
+    # Prompts of 3, 4 and 7 tokens, then 3 decodes: each request enters a new
+    # block at some step (position 4 or 8).
+    seqs = make_sequences([6, 7, 10], num_heads=4, num_kv_heads=2)
+    cache = nan_cache(2)
+    run_step(seqs, [(0, 3), (1, 4), (2, 7)], cache)
+    for _ in range(3):
+        run_step(seqs, [(0, 1), (1, 1), (2, 1)], cache)
+
+
+def test_chunked_prefill_attends_to_cached_chunks() -> None:
+    # Chunks of 3, 6, 4: boundaries fall mid-block, a chunk spans two blocks.
+    seqs = make_sequences([13], num_heads=4, num_kv_heads=2)
+    cache = nan_cache(2)
+    for chunk in (3, 6, 4):
+        run_step(seqs, [(0, chunk)], cache)
+
+
+def test_mixed_decode_and_prefill_batch() -> None:
+    seqs = make_sequences([8, 11, 4, 5, 1], num_heads=4, num_kv_heads=2)
+    cache = nan_cache(2)
+    run_step(seqs, [(0, 6), (1, 5)], cache)  # a prompt and the first chunk of another
+    run_step(seqs, [(0, 1), (1, 6), (2, 3)], cache)  # decode + last chunk + new prompt
+    # Decodes, including a 1-token prompt (query_len 1 makes it one), then a prompt.
+    run_step(seqs, [(0, 1), (2, 1), (4, 1), (3, 5)], cache)
+
+
+def test_attention_layer_requires_metadata_and_cache() -> None:
+    layer = Attention(num_heads=4, head_dim=HEAD_DIM, scale=1.0, num_kv_heads=2)
+    q = torch.randn(3, 4 * HEAD_DIM)
+    kv = torch.randn(3, 2 * HEAD_DIM)
+    with pytest.raises(ValueError, match="AttentionMetadata"):
+        layer(q, kv, kv, None)
+    md = make_attn_metadata([0], [3], [[0]], BLOCK_SIZE)
+    with pytest.raises(RuntimeError, match="bind_kv_cache"):
+        layer(q, kv, kv, md)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        Attention(num_heads=4, head_dim=HEAD_DIM, scale=1.0, num_kv_heads=3)
+
+
+def test_bind_kv_cache_in_layer_order() -> None:
+    model = nn.Sequential(*(Attention(4, HEAD_DIM, 1.0, 2) for _ in range(3)))
+    caches = [nan_cache(2) for _ in range(3)]
+    bind_kv_cache(model, caches)
+    assert all(layer.kv_cache is cache for layer, cache in zip(model, caches))
+    with pytest.raises(ValueError, match="3 Attention layers but 2"):
+        bind_kv_cache(model, caches[:2])
