@@ -2,7 +2,7 @@
 
 A tiny random-weight HF model is saved with save_pretrained (safetensors) and
 loaded back through nanoengine's get_model. Several prompts then run as one
-flattened prefill over a paged, NaN-filled KV cache, followed by decode steps
+flattened prefill over a paged KV cache full of finite garbage, followed by decode steps
 that feed HF's greedy tokens; every logit row must match HF's full forward.
 """
 
@@ -111,8 +111,8 @@ def test_prefill_then_decode_matches_hf(name: str, tmp_path: Path) -> None:
     cfg = ref.hf_config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     cache_shape = (2, NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads, head_dim)
-    # NaN-filled: a stale slot that reached any output would poison it visibly.
-    bind_kv_cache(model, [torch.full(cache_shape, float("nan")) for _ in range(cfg.num_hidden_layers)])
+    # Large finite garbage: a stale slot that reached any output would move it visibly.
+    bind_kv_cache(model, [torch.randn(cache_shape) * 1e3 for _ in range(cfg.num_hidden_layers)])
     total = [len(p) + NUM_DECODE_STEPS for p in ref.prompts]
     blocks = allocate_blocks(total, BLOCK_SIZE, NUM_BLOCKS, seed=1)
 

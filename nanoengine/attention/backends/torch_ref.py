@@ -19,10 +19,12 @@ longest ``seq_len``, masked beyond each request's own); prefills run one request
 at a time with a causal mask shifted by the tokens already in the cache, which is
 what makes chunked prefill and prefix-cache hits correct.
 
-A cache slot that was never written may hold anything (``torch.empty`` memory can
-even hold NaN). A mask alone does not protect against that: the softmax weight is
-0 there, but ``0 * NaN`` is still NaN. So padding positions are zeroed *before*
-they meet a query, and prefills only ever gather valid positions.
+Padding positions of the decode batch hold stale K/V of other requests (or the
+zeros of a never-written slot). The mask gives them softmax weight exactly 0, which
+is enough because every slot is *finite*: the model runner allocates the cache
+with ``torch.zeros`` and only finite K/V are ever written (``0 * NaN`` would still
+be NaN, so a cache from ``torch.empty`` would not be safe here). Prefills only
+ever gather valid positions.
 """
 
 from __future__ import annotations
@@ -100,8 +102,6 @@ class TorchRefAttentionImpl:
         values = gather_kv(kv_cache[1], block_ids)[:, :max_len]
         # [num_decodes, max_len] True where the position really holds this request's K/V
         valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
-        keys = keys.masked_fill(~valid[:, :, None, None], 0.0)
-        values = values.masked_fill(~valid[:, :, None, None], 0.0)
         out = F.scaled_dot_product_attention(
             query[:, :, None, :],  # [num_decodes, Hq, 1, D]
             keys.transpose(1, 2),  # [num_decodes, Hkv, max_len, D]
