@@ -9,15 +9,21 @@ STAMP := $(VENV)/.nanoengine-installed
 # Left to pick freely (as a plain dependency), it would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 BENCH_ARGS ?=
+# The docs site renders its diagrams with this mermaid, fetched once (npm, pinned)
+# so the site and its browser test work offline; not committed (see .gitignore).
+MERMAID_VERSION := 11.17.2
+MERMAID_JS := docs/javascripts/vendor/mermaid.min.js
+# apt-get needs root; elsewhere sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv model demo test bench mypy clean
+.PHONY: venv model demo test bench mypy clean browser docs-assets docs
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install "$(TORCH)"
-	$(PYTHON) -m pip install -e ".[dev]"
+	$(PYTHON) -m pip install -e ".[dev,docs]"
 	touch $(STAMP)
 
 # Idempotent: prints "already prepared at ..." when the converted model is in the cache.
@@ -27,8 +33,26 @@ model: venv
 demo: venv model
 	$(PYTHON) -m chapters.ch05_skeleton
 
-test: venv model
+# tests/test_docs_site.py builds the site strictly and drives it in headless Chromium.
+test: venv model browser docs-assets
 	$(PYTHON) -m pytest
+
+# Debian's chromium, for the docs browser test; skipped when already installed.
+browser:
+	command -v chromium >/dev/null 2>&1 || ($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium)
+
+docs-assets: $(MERMAID_JS)
+
+$(MERMAID_JS):
+	command -v npm >/dev/null 2>&1 || ($(SUDO) apt-get update && $(SUDO) apt-get install -y npm)
+	mkdir -p $(dir $@)
+	tmp=$$(mktemp -d) && (cd $$tmp && npm pack --silent mermaid@$(MERMAID_VERSION) >/dev/null \
+		&& tar xzf mermaid-$(MERMAID_VERSION).tgz package/dist/mermaid.min.js) \
+		&& cp $$tmp/package/dist/mermaid.min.js $@ && rm -rf $$tmp
+
+# The site in ./site (strict: a broken link, anchor, macro or symbol fails the build).
+docs: venv docs-assets
+	$(PYTHON) -m mkdocs build --strict
 
 bench: venv model
 	$(PYTHON) scripts/bench.py $(BENCH_ARGS)

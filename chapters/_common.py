@@ -18,7 +18,9 @@ from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.engine.core import EngineCore
 from nanoengine.utils.component_tree import code_location
 
-console = Console()
+# Off a terminal (CI logs, pipes) rich would wrap at 80 columns and cut the
+# file:line columns; a wider page keeps the tables whole.
+console = Console(width=None if Console().is_terminal else 160)
 T = TypeVar("T")
 
 # The seed note's two prompts (chapter 1 and 5 use them verbatim).

@@ -26,6 +26,12 @@ class ModelConfig:
     max_model_len: int
     dtype: str = "float32"
     seed: int = 0
+    # Chapter 7: "auto" picks Triton on CUDA and the torch reference on CPU.
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # Chapter 7: True keeps every step eager (no CUDA graphs).
+    enforce_eager: bool = False
+    # Decode batch sizes captured as CUDA graphs; None = the default ladder.
+    cudagraph_capture_sizes: list[int] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -80,6 +86,44 @@ class SchedulerConfig:
 
 
 @dataclass
+class ObservabilityConfig:
+    """Debug switches of chapters 3 and 4 (also ``NANOENGINE_TRACE`` / ``NANOENGINE_CHECK_INVARIANTS``)."""
+
+    trace: bool = False  # record a StepTrace per step (nanoengine/trace/)
+    check_invariants: bool = False  # run core/invariants.py after every step
+
+
+@dataclass
+class KVTransferConfig:
+    """A KV connector between engines (chapter 5: WAITING_FOR_REMOTE_KVS).
+
+    vLLM 0.32 counterpart: ``vllm/config/kv_transfer.py`` (``KVTransferConfig``);
+    vLLM passes the directory in ``kv_connector_extra_config``.
+    """
+
+    shared_storage_path: str
+    # "kv_producer" saves prefilled blocks, "kv_consumer" loads them, "kv_both" does both.
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
+    kv_connector: Literal["SharedStorageConnector"] = "SharedStorageConnector"
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError(f"kv_role must be 'kv_producer', 'kv_consumer' or 'kv_both', got {self.kv_role!r}.")
+        if self.kv_connector != "SharedStorageConnector":
+            raise ValueError(f"kv_connector must be 'SharedStorageConnector', got {self.kv_connector!r}.")
+        if not isinstance(self.shared_storage_path, str) or not self.shared_storage_path:
+            raise ValueError(f"shared_storage_path must be a non-empty path, got {self.shared_storage_path!r}.")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
+@dataclass
 class DeviceConfig:
     device: str = "cpu"  # "cpu" or "cuda"
 
@@ -92,3 +136,5 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    kv_transfer_config: KVTransferConfig | None = None
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanoengine.engine import EngineCoreEvent, EngineCoreEventType
+
 
 @dataclass
 class CompletionOutput:
@@ -29,17 +31,65 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock timestamps (``time.monotonic``) of a request's life."""
+    """Wall-clock timestamps (``time.monotonic``) of a request's life.
+
+    The engine core reports QUEUED / SCHEDULED / PREEMPTED events (chapter 5's
+    event log); the output processor adds token times. vLLM 0.32 counterpart:
+    ``RequestStateStats`` in ``vllm/v1/metrics/stats.py``.
+    """
 
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+    queued_ts: float | None = None  # entered the scheduler's waiting queue
+    scheduled_ts: float | None = None  # first admitted to the running batch
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    # (event name, timestamp) in order: "queued", "scheduled", "preempted",
+    # "first_token", "finished" -- the per-request event log.
+    events: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def time_to_first_token(self) -> float | None:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds in the waiting queue before the first schedule."""
+        if self.queued_ts is None or self.scheduled_ts is None:
+            return None
+        return self.scheduled_ts - self.queued_ts
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean seconds between output tokens after the first (TPOT)."""
+        if self.first_token_time is None or self.last_token_time is None or self.num_generation_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+    def record_engine_output(self, events: list[EngineCoreEvent] | None, num_new_tokens: int, now: float) -> None:
+        """Fold one engine-core output in: its events, then its new tokens."""
+        for event in events or []:
+            self.events.append((event.type.name.lower(), event.timestamp))
+            if event.type == EngineCoreEventType.QUEUED and self.queued_ts is None:
+                self.queued_ts = event.timestamp
+            elif event.type == EngineCoreEventType.SCHEDULED and self.scheduled_ts is None:
+                self.scheduled_ts = event.timestamp
+            elif event.type == EngineCoreEventType.PREEMPTED:
+                self.num_preemptions += 1
+        if num_new_tokens:
+            if self.first_token_time is None:
+                self.first_token_time = now
+                self.events.append(("first_token", now))
+            self.last_token_time = now
+            self.num_generation_tokens += num_new_tokens
+
+    def record_finished(self, now: float) -> None:
+        self.finished_time = now
+        self.events.append(("finished", now))
 
 
 @dataclass
@@ -56,3 +106,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Why the engine ended it early (IGNORED / ERROR), in words.
     finish_message: str | None = field(default=None, repr=False)
+    # Prompt tokens whose KV a KV connector loaded instead of computing (chapter 5).
+    num_external_computed_tokens: int = 0

@@ -15,9 +15,13 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from nanoengine.engine import EngineCoreRequest, FinishReason
+from nanoengine.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from nanoengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # annotation only: importing it would pull the grammar backend in
+    from nanoengine.structured_output.request import StructuredOutputRequest
 
 # A block hash is an opaque, hashable digest of one full block of tokens plus the
 # hash of the block before it (see core/kv_cache_utils.py). bytes keeps it compact.
@@ -45,10 +49,12 @@ class RequestStatus(enum.IntEnum):
     def __str__(self) -> str:
         return self.name
 
+    # BEGIN EXERCISE 5.1
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
         """Finished means "ordered after PREEMPTED" -- no separate flag is kept."""
         return status > RequestStatus.PREEMPTED
+    # END EXERCISE 5.1
 
     @staticmethod
     def get_finished_reason(status: RequestStatus) -> FinishReason | None:
@@ -91,7 +97,19 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.priority = priority
 
-        self.status = RequestStatus.WAITING
+        # Every status change, timestamped (``time.monotonic``): chapter 5 prints
+        # the transitions a request really went through. Set before ``status``.
+        self.status_history: list[tuple[float, RequestStatus]] = []
+        # Engine-core events (queued, scheduled, preempted) not yet sent to the
+        # front end, which turns them into RequestMetrics (queue time, TTFT).
+        self.events: list[EngineCoreEvent] = []
+        # A grammar-constrained request starts blocked: its grammar compiles
+        # on a thread pool and the scheduler promotes it once it is ready.
+        self.structured_output_request: StructuredOutputRequest | None = None
+        grammar_wanted = sampling_params.structured_outputs is not None
+        self.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR if grammar_wanted else RequestStatus.WAITING
+        # Streaming input: more prompt may still arrive (``append_prompt_token_ids``).
+        self.streaming_input_open = False
         self.stop_reason: int | str | None = None
         # Set when the request ends as IGNORED or ERROR, so the user learns why.
         self.finish_message: str | None = None
@@ -104,6 +122,8 @@ class Request:
         # Prompt tokens served by the prefix cache on first schedule (-1 = not yet known).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # Prompt tokens whose KV a KV connector loaded instead (chapter 5).
+        self.num_external_computed_tokens = 0
 
         # Hashes of every *full* block of this request's tokens, kept up to date
         # as tokens arrive so the prefix cache can look them up in O(1).
@@ -117,7 +137,7 @@ class Request:
         request: EngineCoreRequest,
         block_hasher: Callable[[Request], list[BlockHash]] | None,
     ) -> Request:
-        return cls(
+        req = cls(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params,
@@ -126,6 +146,8 @@ class Request:
             priority=request.priority,
             block_hasher=block_hasher,
         )
+        req.streaming_input_open = request.streaming_input
+        return req
 
     # ---- token bookkeeping -------------------------------------------------
 
@@ -161,11 +183,53 @@ class Request:
         self._all_token_ids.extend(token_ids)
         self.update_block_hashes()
 
+    def append_prompt_token_ids(self, token_ids: list[int]) -> None:
+        """Streaming input: the next piece of the prompt arrived (before any output)."""
+        if self._output_token_ids:
+            raise ValueError(f"Request {self.request_id!r} already generated tokens; its prompt is closed.")
+        self.prompt_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+        self.update_block_hashes()
+
+    @property
+    def num_prefillable_tokens(self) -> int:
+        """Tokens the scheduler may compute now.
+
+        All of them, except that an open streamed prompt holds back its last
+        token: the forward pass that computes a prompt's last position also
+        samples the first output, which must wait until the prompt is complete.
+        The held-back token is computed with the next piece.
+        """
+        return self.num_tokens - 1 if self.streaming_input_open else self.num_tokens
+
     def update_block_hashes(self) -> None:
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))
 
     # ---- state -------------------------------------------------------------
+
+    @property
+    def status(self) -> RequestStatus:
+        return self._status
+
+    @status.setter
+    def status(self, status: RequestStatus) -> None:
+        # A property so that every transition is recorded wherever it happens;
+        # re-setting the current status is no transition.
+        if self.status_history and self.status_history[-1][1] == status:
+            return
+        self._status = status
+        self.status_history.append((time.monotonic(), status))
+
+    def record_event(self, event_type: EngineCoreEventType) -> None:
+        self.events.append(EngineCoreEvent.new_event(event_type))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        """Hand the pending events to an output (None when there are none)."""
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -11,11 +11,65 @@ it, with a message that names the value and the allowed range.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 # Sampling with a temperature this close to zero is treated as greedy: dividing
 # logits by ~0 would overflow, and argmax is what the user means anyway.
 _GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar: exactly one of ``choice``, ``regex``, ``json``.
+
+    Chapter 5: such a request waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    until its grammar is compiled. ``json`` is a JSON schema (dict or string).
+    vLLM 0.32 counterpart: ``StructuredOutputsParams`` in ``vllm/sampling_params.py``.
+    """
+
+    choice: list[str] | None = None
+    regex: str | None = None
+    json: dict[str, Any] | str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("choice", "regex", "json") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams needs exactly one of choice, regex, json; got {given}.")
+        if self.choice is not None and (
+            not self.choice or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}.")
+
+    def json_schema_text(self) -> str:
+        """The schema as the JSON text a grammar compiler reads."""
+        return self.json if isinstance(self.json, str) else json.dumps(self.json)
+
+
+@dataclass(frozen=True)
+class RepetitionDetectionParams:
+    """Stop a request whose output ends in a pattern repeated ``min_count`` times.
+
+    A pattern is any run of ``min_pattern_size`` to ``max_pattern_size`` tokens;
+    the request ends as FINISHED_REPETITION ("repetition" to the user).
+    vLLM 0.32 counterpart: ``RepetitionDetectionParams`` in ``vllm/sampling_params.py``.
+    """
+
+    max_pattern_size: int
+    min_pattern_size: int = 1
+    min_count: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("max_pattern_size", "min_pattern_size", "min_count"):
+            _check_int(name, getattr(self, name))
+        if not 1 <= self.min_pattern_size <= self.max_pattern_size:
+            raise ValueError(
+                f"need 1 <= min_pattern_size <= max_pattern_size, got {self.min_pattern_size} "
+                f"and {self.max_pattern_size}."
+            )
+        if self.min_count < 2:
+            raise ValueError(f"min_count must be at least 2 (one occurrence is no repeat), got {self.min_count}.")
 
 
 @dataclass
@@ -39,6 +93,10 @@ class SamplingParams:
     detokenize: bool = True
     # Scheduling priority (lower value = served first) used by the priority policy.
     priority: int = 0
+    # Grammar-constrained decoding (choice / regex / JSON schema), chapter 5.
+    structured_outputs: StructuredOutputsParams | None = None
+    # Stop when the output falls into a loop, chapter 5.
+    repetition_detection: RepetitionDetectionParams | None = None
     # Filled in by the input processor from the model's generation config, so the
     # scheduler can stop on any EOS id without knowing about tokenizers.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -84,6 +142,17 @@ class SamplingParams:
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}.")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids entry", token_id)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}."
+            )
+        if self.repetition_detection is not None and not isinstance(
+            self.repetition_detection, RepetitionDetectionParams
+        ):
+            raise TypeError(
+                "repetition_detection must be a RepetitionDetectionParams, got "
+                f"{type(self.repetition_detection).__name__}."
+            )
 
     @property
     def greedy(self) -> bool:

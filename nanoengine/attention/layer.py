@@ -103,6 +103,14 @@ class Attention(nn.Module):
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
 
 
+def set_attention_impl(model: nn.Module, impl: AttentionImpl) -> int:
+    """Hand every Attention layer of ``model`` the same backend; returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for layer in layers:
+        layer.impl = impl
+    return len(layers)
+
+
 def bind_kv_cache(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
     """Give each Attention layer of ``model``, in layer order, its cache tensor."""
     # modules() walks submodules in registration order, i.e. layer 0 first, which

@@ -96,6 +96,13 @@ class KVCacheCoordinator(TreeNode):
         )
         self.num_cached_block[request.request_id] = num_full_blocks
 
+    def uncomputed_cached_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """Blocks this request registered in the prefix cache whose tokens are not
+        computed yet: the ones allocated (and hashed) for the step being planned."""
+        first_uncomputed = num_computed_tokens // self.block_size
+        num_cached = self.num_cached_block.get(request_id, 0)
+        return self.req_to_blocks.get(request_id, [])[first_uncomputed:num_cached]
+
     def free(self, request_id: str) -> None:
         """Give the request's blocks back to the pool, last block first.
 

@@ -21,6 +21,7 @@ from nanoengine.core.kv_cache_coordinator import KVCacheCoordinator
 from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import Request
+from nanoengine.trace.recorder import NULL_RECORDER, StepRecorder
 from nanoengine.utils.component_tree import TreeNode
 
 
@@ -66,7 +67,13 @@ class KVCacheManager(TreeNode):
 
     tree_children = ("coordinator",)
 
-    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool,
+        recorder: StepRecorder = NULL_RECORDER,
+    ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {max_model_len}.")
         self.block_size = kv_cache_config.block_size
@@ -75,6 +82,9 @@ class KVCacheManager(TreeNode):
         self.coordinator = KVCacheCoordinator(kv_cache_config, max_model_len, enable_caching)
         self.block_pool = self.coordinator.block_pool
         self.prefix_cache_stats = PrefixCacheStats()
+        # The step tracer hears of frees here and of evictions in the pool.
+        self.recorder = recorder
+        self.block_pool.recorder = recorder
 
     @property
     def usage(self) -> float:
@@ -110,12 +120,14 @@ class KVCacheManager(TreeNode):
         self.prefix_cache_stats.record(request.num_tokens, num_computed_tokens)
         return KVCacheBlocks(hit_blocks), num_computed_tokens
 
+    # BEGIN EXERCISE 4.1
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens of ``request``.
 
@@ -129,6 +141,10 @@ class KVCacheManager(TreeNode):
         every block needed, nothing changes and ``None`` tells the scheduler to
         preempt a request (or to stop admitting new ones). On success, returns
         just the newly allocated blocks (the worker appends them to its table).
+
+        ``delay_cache_blocks`` keeps the new blocks out of the prefix cache: a KV
+        connector is still loading their contents (chapter 5), and another
+        request must not hit them before the load completes.
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be at least 1, got {num_new_tokens}.")
@@ -155,14 +171,29 @@ class KVCacheManager(TreeNode):
         #    the model runner writes each layer's new K/V for the whole batch
         #    before that layer's attention reads the cache (as vLLM's backends
         #    do). Only tokens that exist can be hashed, hence the min.
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             self.coordinator.cache_blocks(request, num_tokens_to_cache)
         return KVCacheBlocks(new_blocks)
+    # END EXERCISE 4.1
 
     def free(self, request: Request) -> None:
-        """Release every block of a finished or preempted request."""
+        """Release every block of a finished or preempted request.
+
+        Blocks are hashed into the prefix cache when allocated, before the step
+        that fills them runs. A request preempted while planning that step never
+        computes them, so their hashes are dropped first: a later hit must never
+        read KV that was not written.
+        """
+        self.recorder.on_request_freeing(self, request)
+        for block in self.coordinator.uncomputed_cached_blocks(request.request_id, request.num_computed_tokens):
+            self.block_pool.uncache_block(block)
         self.coordinator.free(request.request_id)
+
+    def has_uncomputed_cached_blocks(self, request: Request) -> bool:
+        """True when this request hashed blocks this step will only now fill: a
+        newcomer's prefix-cache lookup may already count on them."""
+        return bool(self.coordinator.uncomputed_cached_blocks(request.request_id, request.num_computed_tokens))
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return KVCacheBlocks(list(self.coordinator.get_blocks(request_id)))

@@ -40,8 +40,14 @@ def num_blocks_from_budget(available_bytes: int, spec: FullAttentionSpec) -> int
 # END EXERCISE 6.1
 
 
-def check_enough_kv_cache_memory(available_bytes: int, spec: FullAttentionSpec, max_model_len: int) -> None:
-    """Refuse to start an engine that could never finish one longest request."""
+def check_enough_kv_cache_memory(
+    available_bytes: int, spec: FullAttentionSpec, max_model_len: int, budget_note: str = ""
+) -> None:
+    """Refuse to start an engine that could never finish one longest request.
+
+    ``budget_note`` (from the worker's memory profile) says where the rest of
+    the budget went and which knob value would be enough; it ends the message.
+    """
     # +1: block 0 is the block pool's reserved null block and holds no tokens.
     needed_bytes = (cdiv(max_model_len, spec.block_size) + 1) * spec.page_size_bytes
     if available_bytes >= needed_bytes:
@@ -53,7 +59,7 @@ def check_enough_kv_cache_memory(available_bytes: int, spec: FullAttentionSpec, 
         f"{format_bytes(needed_bytes)} ({needed_bytes} bytes; {needed_bytes - available_bytes} "
         f"bytes missing). With this budget the longest context would be {fitting_len} tokens. "
         "Raise kv_cache_memory_bytes (CPU), cpu_kv_cache_fraction or gpu_memory_utilization, "
-        "or lower max_model_len."
+        "or lower max_model_len." + (f" {budget_note}" if budget_note else "")
     )
 
 
@@ -62,12 +68,13 @@ def get_kv_cache_config(
     available_bytes: int,
     max_model_len: int,
     num_blocks_override: int | None = None,
+    budget_note: str = "",
 ) -> KVCacheConfig:
     """Decide the block count: the override if given, else what the budget buys."""
     if num_blocks_override is not None:
         check_enough_kv_cache_memory(num_blocks_override * spec.page_size_bytes, spec, max_model_len)
         return KVCacheConfig(num_blocks=num_blocks_override, spec=spec)
-    check_enough_kv_cache_memory(available_bytes, spec, max_model_len)
+    check_enough_kv_cache_memory(available_bytes, spec, max_model_len, budget_note)
     return KVCacheConfig(num_blocks=num_blocks_from_budget(available_bytes, spec), spec=spec)
 
 

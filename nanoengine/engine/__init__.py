@@ -7,7 +7,8 @@ server, chapter 8). Keeping them plain dataclasses is what makes both transports
 possible.
 
 vLLM 0.32 counterpart: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``,
-``EngineCoreOutput``, ``EngineCoreOutputs``, ``FinishReason``).
+``EngineCoreOutput``, ``EngineCoreOutputs``, ``FinishReason``, ``EngineCoreEventType``,
+``EngineCoreEvent``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,26 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """What happened to a request inside the engine core (chapter 5's event log)."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+@dataclass
+class EngineCoreEvent:
+    """One timestamped event; the front end turns these into queue time and TTFT."""
+
+    type: EngineCoreEventType
+    timestamp: float  # time.monotonic(), the clock of arrival_time
+
+    @classmethod
+    def new_event(cls, event_type: EngineCoreEventType, timestamp: float | None = None) -> EngineCoreEvent:
+        return cls(event_type, time.monotonic() if timestamp is None else timestamp)
+
+
 @dataclass
 class EngineCoreRequest:
     """A request after the front end has tokenized and validated it."""
@@ -46,6 +67,8 @@ class EngineCoreRequest:
     eos_token_id: int | None
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
+    # Streaming input: the prompt arrives in pieces (LLMEngine.append_prompt).
+    streaming_input: bool = False
 
 
 @dataclass
@@ -62,6 +85,10 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # A human-readable reason for FINISHED_IGNORED / FINISHED_ERROR.
     finish_message: str | None = None
+    # Events since the request's previous output (queued, scheduled, preempted).
+    events: list[EngineCoreEvent] | None = None
+    # Prompt tokens whose KV a KV connector loaded (chapter 5).
+    num_external_computed_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -8,10 +8,19 @@ shape and its longest context. vLLM 0.32 counterpart: ``vllm/engine/arg_utils.py
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from nanoengine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from nanoengine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    SchedulerConfig,
+)
 from nanoengine.model_executor.models.registry import get_model_class
 from nanoengine.transformers_utils.config import get_hf_config, resolve_model_path
 
@@ -40,10 +49,19 @@ class EngineArgs:
     cpu_kv_cache_fraction: float = 0.1
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    cudagraph_capture_sizes: list[int] | None = None
+    # Chapters 3-4: record a StepTrace per step (llm.trace); check the KV cache
+    # and scheduler invariants after every step. The environment variables
+    # NANOENGINE_TRACE=1 / NANOENGINE_CHECK_INVARIANTS=1 turn them on too.
+    trace: bool = False
+    check_invariants: bool = False
     # Accepted so vLLM scripts run unchanged; nanoengine runs one process on one device.
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
     tokenizer: str | None = None
+    # A KV connector (prefill/decode disaggregation), chapter 5.
+    kv_transfer_config: KVTransferConfig | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -73,6 +91,9 @@ class EngineArgs:
             max_model_len=max_model_len,
             dtype=_resolve_dtype(self.dtype, device),
             seed=self.seed,
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
+            cudagraph_capture_sizes=self.cudagraph_capture_sizes,
         )
         return EngineConfig(
             model_config=model_config,
@@ -86,6 +107,11 @@ class EngineArgs:
             ),
             scheduler_config=self._scheduler_config(max_model_len),
             device_config=DeviceConfig(device=device),
+            kv_transfer_config=self.kv_transfer_config,
+            observability_config=ObservabilityConfig(
+                trace=self.trace or _env_flag("NANOENGINE_TRACE"),
+                check_invariants=self.check_invariants or _env_flag("NANOENGINE_CHECK_INVARIANTS"),
+            ),
         )
 
     def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
@@ -124,12 +150,28 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if not 0.0 < self.cpu_kv_cache_fraction <= 1.0:
             raise ValueError(f"cpu_kv_cache_fraction must be in (0, 1], got {self.cpu_kv_cache_fraction}.")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}."
+            )
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and (not sizes or any(not isinstance(n, int) or n < 1 for n in sizes)):
+            raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of positive ints, got {sizes!r}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
+        if self.kv_transfer_config is not None and not self.enable_prefix_caching:
+            # The connector names stored blocks by their prefix hashes, which
+            # only exist when prefix caching computes them.
+            raise ValueError("kv_transfer_config needs enable_prefix_caching=True (blocks are keyed by hash).")
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size must be 1 (nanoengine runs on one device), got {self.tensor_parallel_size}."
             )
+
+
+def _env_flag(name: str) -> bool:
+    """True when the environment variable is set to 1/true/yes/on (any case)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _resolve_device(device: str) -> str:

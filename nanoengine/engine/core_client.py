@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from nanoengine.config import EngineConfig
 from nanoengine.engine import EngineCoreOutputs, EngineCoreRequest
 from nanoengine.engine.core import EngineCore
+from nanoengine.trace import EngineTrace
 from nanoengine.utils.component_tree import TreeNode
 
 
@@ -41,7 +42,15 @@ class EngineCoreClient(ABC):
     def abort_requests(self, request_ids: Iterable[str]) -> None: ...
 
     @abstractmethod
+    def append_prompt(self, request_id: str, token_ids: list[int], final: bool) -> None:
+        """Streaming input: more prompt for a request added with ``streaming_input``."""
+
+    @abstractmethod
     def shutdown(self) -> None: ...
+
+    @abstractmethod
+    def get_trace(self) -> EngineTrace | None:
+        """The engine core's step trace (chapters 3-4); None when tracing is off."""
 
 
 class InprocClient(EngineCoreClient, TreeNode):
@@ -66,5 +75,12 @@ class InprocClient(EngineCoreClient, TreeNode):
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.engine_core.abort_requests(request_ids)
 
+    def append_prompt(self, request_id: str, token_ids: list[int], final: bool) -> None:
+        self.engine_core.append_prompt(request_id, token_ids, final)
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+    def get_trace(self) -> EngineTrace | None:
+        # Same process: the live object itself, still growing as steps run.
+        return self.engine_core.trace

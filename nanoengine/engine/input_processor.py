@@ -53,13 +53,19 @@ class InputProcessor(TreeNode):
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
         max_len = self.model_config.max_model_len
-        vocab = self.model_config.vocab_size
         if not prompt_ids:
             raise ValueError("The prompt is empty (0 tokens); at least 1 token is needed.")
         if len(prompt_ids) > max_len:
             raise ValueError(
                 f"The prompt is {len(prompt_ids)} tokens long, longer than max_model_len={max_len}."
             )
+        self.validate_token_ids(prompt_ids)
+
+    def validate_token_ids(self, prompt_ids: list[int]) -> None:
+        """Every id an int inside the vocabulary, and at least one of them."""
+        vocab = self.model_config.vocab_size
+        if not prompt_ids:
+            raise ValueError("The prompt piece is empty (0 tokens); at least 1 token is needed.")
         for token_id in prompt_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int):
                 raise TypeError(f"Token ids must be ints, got {type(token_id).__name__} {token_id!r}.")

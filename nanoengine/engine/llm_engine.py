@@ -22,6 +22,7 @@ from nanoengine.engine.output_processor import OutputProcessor, ParentRequest
 from nanoengine.outputs import RequestMetrics, RequestOutput
 from nanoengine.renderers.hf import HfRenderer, PromptType, RenderedPrompt
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.trace import EngineTrace
 from nanoengine.transformers_utils.config import get_tokenizer
 from nanoengine.transformers_utils.tokenizer import get_generation_eos_ids
 from nanoengine.utils.component_tree import TreeNode
@@ -59,9 +60,15 @@ class LLMEngine(TreeNode):
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        streaming: bool = False,
     ) -> None:
-        """Render, validate and queue one prompt (``n`` engine-core requests)."""
-        self.add_rendered_request(request_id, self.renderer.render_prompt(prompt), params, arrival_time, priority)
+        """Render, validate and queue one prompt (``n`` engine-core requests).
+
+        ``streaming=True``: ``prompt`` is only the first piece; send the rest
+        with ``append_prompt`` (chapter 5's WAITING_FOR_STREAMING_REQ).
+        """
+        rendered = self.renderer.render_prompt(prompt)
+        self.add_rendered_request(request_id, rendered, params, arrival_time, priority, streaming)
 
     def add_rendered_request(
         self,
@@ -70,11 +77,14 @@ class LLMEngine(TreeNode):
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        streaming: bool = False,
     ) -> None:
         """Queue an already rendered prompt. Every check runs before anything is
         queued, so a bad request leaves the engine exactly as it was."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use by a live request.")
+        if streaming and params.n != 1:
+            raise ValueError(f"Streaming input supports n=1 only, got n={params.n}.")
         priority = priority or params.priority
         core_requests = [
             self.input_processor.process_inputs(
@@ -93,8 +103,29 @@ class LLMEngine(TreeNode):
             metrics=RequestMetrics(arrival_time=core_requests[0].arrival_time),
         )
         for index, core_request in enumerate(core_requests):
+            core_request.streaming_input = streaming
             self.output_processor.add_request(parent, core_request, index)
             self.engine_core.add_request(core_request)
+
+    def append_prompt(self, request_id: str, prompt_token_ids: list[int], final: bool = False) -> None:
+        """Streaming input: the next piece of a prompt added with ``streaming=True``.
+
+        The engine prefills what has arrived and waits for more; ``final=True``
+        closes the input (an empty piece may close it) and decoding starts.
+        """
+        parent = self.output_processor.parents.get(request_id)
+        if parent is None:
+            raise ValueError(f"Request id {request_id!r} is not a live request.")
+        if prompt_token_ids or not final:
+            self.input_processor.validate_token_ids(prompt_token_ids)
+        max_len = self.engine_config.model_config.max_model_len
+        if len(parent.prompt_token_ids) + len(prompt_token_ids) > max_len:
+            raise ValueError(
+                f"The streamed prompt would be {len(parent.prompt_token_ids) + len(prompt_token_ids)} tokens "
+                f"long, longer than max_model_len={max_len}."
+            )
+        self.engine_core.append_prompt(request_id, list(prompt_token_ids), final)
+        parent.prompt_token_ids.extend(prompt_token_ids)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests (by the ids given to add_request) and free their blocks."""
@@ -116,6 +147,11 @@ class LLMEngine(TreeNode):
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
+
+    @property
+    def trace(self) -> EngineTrace | None:
+        """Per-step scheduling and KV cache trace (``trace=True``), kept by the engine core."""
+        return self.engine_core.get_trace()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

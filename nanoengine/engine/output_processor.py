@@ -51,6 +51,7 @@ class ParentRequest:
     metrics: RequestMetrics
     children: list[RequestState] = field(default_factory=list)
     num_cached_tokens: int = 0
+    num_external_computed_tokens: int = 0
     finish_message: str | None = None
 
     @property
@@ -67,6 +68,7 @@ class ParentRequest:
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
             finish_message=self.finish_message,
+            num_external_computed_tokens=self.num_external_computed_tokens,
         )
 
 
@@ -118,9 +120,11 @@ class OutputProcessor(TreeNode):
             if state is None:  # aborted by the user while the step ran
                 continue
             parent = state.parent
-            if output.new_token_ids and parent.metrics.first_token_time is None:
-                parent.metrics.first_token_time = now
+            parent.metrics.record_engine_output(output.events, len(output.new_token_ids), now)
             parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
+            parent.num_external_computed_tokens = max(
+                parent.num_external_computed_tokens, output.num_external_computed_tokens
+            )
             state.token_ids.extend(output.new_token_ids)
             stop_string = state.detokenizer.update(output.new_token_ids)
             if stop_string is not None and output.finish_reason is None:
@@ -133,7 +137,7 @@ class OutputProcessor(TreeNode):
             touched[parent.request_id] = parent
         for parent in touched.values():
             if parent.finished:
-                parent.metrics.finished_time = now
+                parent.metrics.record_finished(now)
                 self._forget(parent)
         return OutputProcessorOutput([p.make_output() for p in touched.values()], reqs_to_abort)
 

@@ -19,6 +19,7 @@ from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.outputs import RequestOutput
 from nanoengine.renderers.hf import ChatMessage, PromptType, RenderedPrompt
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.trace import EngineTrace
 from nanoengine.utils.component_tree import TreeNode
 
 
@@ -35,6 +36,15 @@ class LLM(TreeNode):
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    @property
+    def trace(self) -> EngineTrace | None:
+        """What each engine step scheduled, allocated and preempted (chapters 3-4).
+
+        None unless built with ``trace=True`` (or ``NANOENGINE_TRACE=1``). The
+        engine core owns the trace; this reaches it through the client.
+        """
+        return self.llm_engine.trace
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -42,7 +52,12 @@ class LLM(TreeNode):
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt; outputs come back in prompt order.
+
+        ``priority`` (one int per prompt; else each ``SamplingParams.priority``)
+        matters with ``LLM(scheduling_policy="priority")``: lower values are
+        admitted first and preempted last, ties go by arrival (chapter 3).
+        """
         prompt_list = _as_prompt_list(prompts)
         renderer = self.llm_engine.renderer
         rendered = [renderer.render_prompt(p) for p in prompt_list]

@@ -18,7 +18,7 @@ from nanoengine.config import EngineConfig
 from nanoengine.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from nanoengine.utils.component_tree import TreeNode
-from nanoengine.worker.worker import Worker
+from nanoengine.worker.worker import MemoryProfile, Worker
 
 
 class UniProcExecutor(TreeNode):
@@ -43,6 +43,13 @@ class UniProcExecutor(TreeNode):
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.driver_worker.initialize_from_config(kv_cache_config)
+
+    def compile_or_warm_up_model(self) -> None:
+        self.driver_worker.compile_or_warm_up_model()
+
+    @property
+    def memory_profile(self) -> MemoryProfile | None:
+        return self.driver_worker.memory_profile
 
     @overload
     def execute_model(

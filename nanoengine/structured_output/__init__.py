@@ -1,31 +1,105 @@
 """StructuredOutputManager: grammars that constrain which tokens may come next.
 
 Chapter 5 (engine skeleton) shows where it sits -- a member of ``EngineCore``
-beside the scheduler -- and why ``step()`` computes its bitmask *while* the
-forward pass runs. vLLM 0.32 counterpart: ``vllm/v1/structured_output/__init__.py``
-(``StructuredOutputManager``, backed by xgrammar).
+beside the scheduler -- and why ``step()`` builds its bitmask *while* the
+forward pass runs. Its life cycle for one request:
 
-This foundation release has no ``SamplingParams`` field that asks for a grammar,
-so no request is ever structured and ``grammar_bitmask`` returns None; the
-step's shape (bitmask computed between ``execute_model`` and ``sample_tokens``)
-is already the final one, and the model runner already applies a bitmask.
+1. ``grammar_init`` (from ``EngineCore.add_request``) submits the compile to a
+   thread pool; the request waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and
+   the scheduler promotes it once the future is done (or ends it as
+   FINISHED_ERROR if compiling failed);
+2. ``grammar_bitmask`` (each step) stacks one packed mask row per structured
+   request that samples this step; the model runner masks its logits with it;
+3. the scheduler feeds each accepted token back (``accept_tokens``).
+
+vLLM 0.32 counterpart: ``vllm/v1/structured_output/__init__.py``
+(``StructuredOutputManager``, backed by xgrammar).
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
 from nanoengine.config import EngineConfig
 from nanoengine.core.sched.output import GrammarOutput, SchedulerOutput
+from nanoengine.request import Request
+from nanoengine.sampling_params import StructuredOutputsParams
+from nanoengine.structured_output.request import StructuredOutputGrammar, StructuredOutputRequest
+from nanoengine.utils.component_tree import TreeNode
+
+if TYPE_CHECKING:  # the backend imports xgrammar, which is loaded on first use only
+    from nanoengine.structured_output.backend_xgrammar import XgrammarBackend
 
 
-class StructuredOutputManager:
-    """Compiles grammars and produces per-step token bitmasks."""
+class StructuredOutputManager(TreeNode):
+    """Compiles grammars off the engine thread and produces per-step token bitmasks."""
+
+    tree_children = ()
 
     def __init__(self, engine_config: EngineConfig) -> None:
-        # The bitmask has one column per vocabulary entry.
+        self.model_path = engine_config.model_config.model_path
+        # The bitmask has one bit per vocabulary entry of the model's logits.
         self.vocab_size = engine_config.model_config.vocab_size
+        self._backend: XgrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        # One thread: compiles are rare and short, and they must not steal the
+        # forward pass's cores.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoengine-grammar")
+        # Live structured requests by id; dropped once the scheduler reports them finished.
+        self._requests: dict[str, Request] = {}
+
+    def tree_label_extra(self) -> str | None:
+        return (
+            f"backend={'xgrammar' if self._backend else 'xgrammar (not loaded)'} live={len(self._requests)}"
+        )
+
+    def grammar_init(self, request: Request) -> None:
+        """Start compiling ``request``'s grammar; it stays blocked until done."""
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            raise ValueError(f"Request {request.request_id!r} asks for no structured output.")
+        future = self._executor.submit(self._compile, params)
+        request.structured_output_request = StructuredOutputRequest(params, future)
+        self._requests[request.request_id] = request
+
+    def _compile(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
+        return self._get_backend().compile_grammar(params)
+
+    def _get_backend(self) -> XgrammarBackend:
+        """Load the tokenizer's vocabulary into xgrammar on first use (a fraction of a second)."""
+        with self._backend_lock:
+            if self._backend is None:
+                from nanoengine.structured_output.backend_xgrammar import XgrammarBackend
+                from nanoengine.transformers_utils.config import get_tokenizer
+
+                self._backend = XgrammarBackend(get_tokenizer(self.model_path), self.vocab_size)
+            return self._backend
 
     def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
-        """The allowed-token mask for the scheduled structured requests; None when
-        there are none, which (for now) is always."""
-        del scheduler_output  # read once grammars exist
-        return None
+        """Masks for the structured requests that sample this step; None if there are none.
+
+        Runs after ``schedule()`` advanced ``num_computed_tokens``, so "samples
+        this step" is simply "all known tokens are computed".
+        """
+        for req_id in scheduler_output.finished_req_ids:
+            self._requests.pop(req_id, None)
+        rows: list[tuple[str, StructuredOutputGrammar]] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self._requests.get(req_id)
+            if request is None or request.num_computed_tokens < request.num_tokens:
+                continue
+            assert request.structured_output_request is not None  # set by grammar_init
+            grammar = request.structured_output_request.grammar
+            if grammar is not None:
+                rows.append((req_id, grammar))
+        if not rows:
+            return None
+        bitmask = self._get_backend().allocate_token_bitmask(len(rows))  # int32 [rows, ceil(vocab/32)]
+        for row, (_, grammar) in enumerate(rows):
+            grammar.fill_bitmask(bitmask, row)
+        return GrammarOutput(structured_output_request_ids=[req_id for req_id, _ in rows], bitmask=bitmask)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)

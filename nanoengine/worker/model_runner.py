@@ -18,16 +18,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from nanoengine.attention.layer import bind_kv_cache
+from nanoengine.attention.layer import bind_kv_cache, set_attention_impl
+from nanoengine.attention.selector import get_attention_impl, resolve_backend_name
 from nanoengine.config import EngineConfig
 from nanoengine.core.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     GrammarOutput,
+    KVConnectorOutput,
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from nanoengine.distributed.kv_transfer.worker_side import SharedStorageConnectorWorker
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from nanoengine.model_executor.model_loader import get_model
 from nanoengine.model_executor.models.llama import LlamaForCausalLM
@@ -35,6 +39,13 @@ from nanoengine.sample.metadata import SamplingMetadata
 from nanoengine.sample.sampler import Sampler
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.utils.component_tree import TreeNode
+from nanoengine.worker.cudagraph_dispatcher import (
+    CudagraphDecision,
+    CudagraphDispatcher,
+    default_capture_sizes,
+    pad_decode_inputs,
+)
+from nanoengine.worker.cudagraph_runner import CUDAGraphRunner
 from nanoengine.worker.input_batch import (
     CachedRequestState,
     StepInputs,
@@ -75,6 +86,26 @@ class ModelRunner(TreeNode):
         self.default_generator.manual_seed(self.model_config.seed)
         self._pending: _PendingSample | None = None
         self.model: LlamaForCausalLM | None = None
+        # The worker half of a KV connector, when this engine is part of a P/D pair.
+        transfer = engine_config.kv_transfer_config
+        self.kv_connector = SharedStorageConnectorWorker(transfer) if transfer is not None else None
+        self.attention_backend = resolve_backend_name(self.model_config.attention_backend, device)
+        # CUDA graphs (chapter 7): decode only, on CUDA, with the capturable
+        # Triton backend, unless enforce_eager. The dispatcher exists either way
+        # so every step records its decision (chapter 7 prints them on a CPU).
+        sched = engine_config.scheduler_config
+        self.max_blocks_per_req = -(-sched.max_model_len // self.block_size)
+        self.dispatcher = CudagraphDispatcher(
+            self.model_config.cudagraph_capture_sizes or default_capture_sizes(sched.max_num_seqs),
+            self.max_blocks_per_req,
+            enabled=device.type == "cuda"
+            and not self.model_config.enforce_eager
+            and self.attention_backend == "triton",
+        )
+        self.cudagraph_runner: CUDAGraphRunner | None = None
+        # The last step's inputs and graph decision, kept for chapter 7's walkthrough.
+        self.last_inputs: StepInputs | None = None
+        self.last_cudagraph_decision: CudagraphDecision | None = None
 
     # ---- construction (chapter 6) ------------------------------------------
 
@@ -82,6 +113,7 @@ class ModelRunner(TreeNode):
         self.model = get_model(
             self.model_config.model_path, self.model_config.hf_config, self.dtype, self.device
         )
+        set_attention_impl(self.model, get_attention_impl(self.attention_backend))
 
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self._model().parameters())
@@ -98,16 +130,31 @@ class ModelRunner(TreeNode):
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
 
-        Zero-filled: torch takes zeroed pages lazily from the OS, so an untouched
-        block costs no RAM, and stale slots hold zeros rather than NaN garbage.
+        Zero-filled, so stale slots hold zeros rather than NaN garbage. On CPU
+        the zeros come from numpy's calloc: the OS hands out zeroed pages lazily,
+        so an untouched block costs neither RAM nor time (``torch.zeros`` would
+        memset every page up front: seconds for a few GiB).
         """
         spec = self.get_kv_cache_spec()
         shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+        if self.device.type != "cpu":
+            return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+        # Same-width integer storage viewed as the model dtype (numpy has no bf16).
+        storage = {2: np.uint16, 4: np.uint32}[spec.dtype_size]
+        return [torch.from_numpy(np.zeros(shape, dtype=storage)).view(self.dtype) for _ in range(spec.num_layers)]
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_caches = self._allocate_kv_caches(kv_cache_config.num_blocks)
         bind_kv_cache(self._model(), self.kv_caches)
+
+    def capture_model(self) -> int:
+        """Record the decode CUDA graphs (if enabled); returns the bytes they took."""
+        if not self.dispatcher.enabled:
+            return 0
+        sizes = self.dispatcher.capture_sizes
+        self.cudagraph_runner = CUDAGraphRunner(self._model(), sizes[-1], self.max_blocks_per_req, self.device)
+        self.cudagraph_runner.capture(sizes)
+        return self.cudagraph_runner.captured_bytes
 
     @torch.inference_mode()
     def profile_run(self) -> float:
@@ -184,14 +231,22 @@ class ModelRunner(TreeNode):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run the forward pass; return None and leave the logits for sample_tokens."""
         self._update_states(scheduler_output)
+        metadata = scheduler_output.kv_connector_metadata
+        if self.kv_connector is not None:
+            self.kv_connector.wait_for_finished_requests(scheduler_output.finished_req_ids)
+        if self.kv_connector is not None and metadata:
+            # Loads go to a thread: their requests are blocked, others run now.
+            self.kv_connector.start_load_kv(metadata, self.kv_caches)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._pending = None
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return ModelRunnerOutput([], [], kv_connector_output=self._kv_connector_output())
         req_ids = order_decodes_first(scheduler_output.num_scheduled_tokens)
         states = [self.requests[rid] for rid in req_ids]
         num_scheduled = [scheduler_output.num_scheduled_tokens[rid] for rid in req_ids]
         inputs = prepare_inputs(states, num_scheduled, self.block_size, self.device)
         self._pending = _PendingSample(req_ids, inputs.sampling_req_ids, self._forward(inputs))
+        if self.kv_connector is not None and metadata:
+            self.kv_connector.save_kv(metadata, self.kv_caches)  # the forward pass just wrote them
         # The scheduler already counted these tokens as computed (optimistically);
         # the worker's copy catches up now that their KV is really written.
         for state, n in zip(states, num_scheduled):
@@ -200,9 +255,21 @@ class ModelRunner(TreeNode):
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states for all tokens, logits only for the rows that sample."""
+        md = inputs.attn_metadata
+        decision = self.dispatcher.dispatch(md.num_reqs, md.num_actual_tokens, md.block_table.shape[1])
+        self.last_inputs, self.last_cudagraph_decision = inputs, decision
+        if decision.use_graph and self.cudagraph_runner is not None:
+            padded = pad_decode_inputs(inputs, decision.padded_batch_size, self.max_blocks_per_req)
+            # [padded, vocab]; the padding rows' logits are simply never indexed.
+            return self.cudagraph_runner.replay(padded)[inputs.logits_indices]
         model = self._model()
         hidden = model(inputs.input_ids, inputs.positions, inputs.attn_metadata)  # [num_tokens, hidden]
         return model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling_reqs, vocab]
+
+    @property
+    def pending_logits(self) -> torch.Tensor | None:
+        """[num_sampling_reqs, vocab] logits waiting for sample_tokens, if any."""
+        return None if self._pending is None else self._pending.logits
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
@@ -223,7 +290,13 @@ class ModelRunner(TreeNode):
         return ModelRunnerOutput(
             req_ids=pending.req_ids,
             sampled_token_ids=[by_req.get(rid, []) for rid in pending.req_ids],
+            kv_connector_output=self._kv_connector_output(),
         )
+
+    def _kv_connector_output(self) -> KVConnectorOutput | None:
+        if self.kv_connector is None:
+            return None
+        return KVConnectorOutput(finished_recving=self.kv_connector.get_finished())
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         """Gather per-request options into per-row tensors for the sampler."""
@@ -260,10 +333,17 @@ def apply_grammar_bitmask(
 ) -> torch.Tensor:
     """Forbid tokens a request's grammar does not allow at this point.
 
-    ``grammar_output.bitmask`` is a bool tensor [num_structured_reqs, vocab]
-    (True = allowed), one row per id in ``structured_output_request_ids``.
+    ``grammar_output.bitmask`` is packed as xgrammar (and vLLM) pack it: int32
+    [num_structured_reqs, ceil(vocab / 32)], bit ``j`` of word ``w`` set when
+    token ``32 * w + j`` is allowed; one row per id in
+    ``structured_output_request_ids``. Unpacking in plain torch keeps the
+    worker free of the grammar library.
     """
-    allowed = torch.as_tensor(grammar_output.bitmask, dtype=torch.bool, device=logits.device)
+    packed = torch.as_tensor(grammar_output.bitmask, dtype=torch.int32, device=logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    # [rows, words, 32] -> [rows, words * 32]; "& 1" also undoes the sign
+    # extension of the arithmetic shift on negative words.
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
     row_of = {rid: row for row, rid in enumerate(row_req_ids)}
     for mask_row, req_id in enumerate(grammar_output.structured_output_request_ids):
         row = row_of.get(req_id)

@@ -20,6 +20,7 @@ from nanoengine.config import EngineConfig
 from nanoengine.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from nanoengine.utils.component_tree import TreeNode
+from nanoengine.worker.memory_probe import PeakMemoryProbe
 from nanoengine.worker.model_runner import ModelRunner
 
 
@@ -29,10 +30,32 @@ class MemoryProfile:
 
     device: str
     weights_bytes: int
-    peak_activation_bytes: int  # CUDA only; CPU has no reliable allocator counter
+    # The profiling pass's peak above the weights: torch's allocator peak on
+    # CUDA; on CPU the growth of the process's peak RSS (see memory_probe.py),
+    # which also counts the pass's small temporary KV blocks.
+    peak_activation_bytes: int
     budget_source: str  # which knob set the KV budget, in words
     kv_cache_bytes: int
     profile_seconds: float
+    # CUDA: memory outside torch's allocator (CUDA context, other processes).
+    non_torch_bytes: int = 0
+    # CUDA: what capturing the decode graphs took (filled in after capture).
+    cudagraph_bytes: int = 0
+    # The engine's whole allowance: utilisation share of the GPU, or on CPU the
+    # KV budget plus what the model already holds.
+    total_budget_bytes: int = 0
+    activation_method: str = ""  # how peak_activation_bytes was measured, in words
+
+    def describe(self) -> str:
+        """Where the budget went, for the "KV cache too small" error."""
+        mib = 1 << 20
+        used = f"weights {self.weights_bytes / mib:.0f} MiB, peak activations {self.peak_activation_bytes / mib:.0f} MiB"
+        if self.device == "cuda":
+            used += f", non-torch {self.non_torch_bytes / mib:.0f} MiB"
+        return (
+            f"Memory profile: {used}; the KV cache got {self.kv_cache_bytes / mib:.0f} MiB "
+            f"of an engine budget of {self.total_budget_bytes / mib:.0f} MiB, set by {self.budget_source}."
+        )
 
 
 class Worker(TreeNode):
@@ -65,18 +88,22 @@ class Worker(TreeNode):
         """Run the profiling pass and return the bytes the KV cache may use."""
         runner = self._runner()
         cache_config = self.engine_config.cache_config
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        profile_seconds = runner.profile_run()
         weights = runner.weights_bytes()
-        peak_activation = 0
+        with PeakMemoryProbe(self.device) as probe:
+            profile_seconds = runner.profile_run()
+        peak_activation = probe.peak_growth_bytes
+        non_torch = 0
         if cache_config.kv_cache_memory_bytes is not None:
             kv_bytes, source = cache_config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         elif self.device.type == "cuda":
-            peak_activation = torch.cuda.max_memory_allocated(self.device) - weights
-            kv_bytes, source = self._cuda_budget(weights + peak_activation), "gpu_memory_utilization"
+            non_torch = self._non_torch_bytes()
+            kv_bytes, source = self._cuda_budget(weights + peak_activation, non_torch), "gpu_memory_utilization"
         else:
             kv_bytes, source = self._cpu_budget(), "cpu_kv_cache_fraction of available RAM"
+        if self.device.type == "cuda":
+            total_budget = int(torch.cuda.mem_get_info(self.device)[1] * cache_config.gpu_memory_utilization)
+        else:
+            total_budget = weights + peak_activation + kv_bytes
         self.memory_profile = MemoryProfile(
             device=self.device.type,
             weights_bytes=weights,
@@ -84,6 +111,9 @@ class Worker(TreeNode):
             budget_source=source,
             kv_cache_bytes=kv_bytes,
             profile_seconds=profile_seconds,
+            non_torch_bytes=non_torch,
+            total_budget_bytes=total_budget,
+            activation_method=probe.method,
         )
         return kv_bytes
 
@@ -98,19 +128,28 @@ class Worker(TreeNode):
         budget = int(available_ram_bytes() * cache_config.cpu_kv_cache_fraction)
         return min(budget, cache_config.cpu_kv_cache_max_bytes)
 
-    def _cuda_budget(self, torch_peak_bytes: int) -> int:
+    def _non_torch_bytes(self) -> int:
+        """Device memory in use outside this process's torch allocator (the CUDA
+        context, other processes); it counts against the share all the same."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        return max((total - free) - torch.cuda.memory_reserved(self.device), 0)
+
+    def _cuda_budget(self, torch_peak_bytes: int, non_torch_bytes: int) -> int:
         """The utilisation share of the whole GPU, minus what the model and any
         other process already take."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        # Memory used outside this process's torch allocator (CUDA context, other
-        # processes) still counts against the share.
-        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        total = torch.cuda.mem_get_info(self.device)[1]
         allowed = int(total * self.engine_config.cache_config.gpu_memory_utilization)
-        return max(allowed - torch_peak_bytes - max(non_torch, 0), 0)
+        return max(allowed - torch_peak_bytes - non_torch_bytes, 0)
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate the KV cache the engine decided on and bind it to the layers."""
         self._runner().initialize_kv_cache(kv_cache_config)
+
+    def compile_or_warm_up_model(self) -> None:
+        """Capture the decode CUDA graphs (GPU, unless enforce_eager); record their memory."""
+        graph_bytes = self._runner().capture_model()
+        if self.memory_profile is not None:
+            self.memory_profile.cudagraph_bytes = graph_bytes
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self._runner().execute_model(scheduler_output)

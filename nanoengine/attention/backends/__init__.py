@@ -1,1 +1,1 @@
-"""Attention backends: a plain-torch reference (any device) and, on CUDA, Triton kernels."""
+"""Attention backends (chapter 7): a plain-torch reference (any device) and, on CUDA, Triton kernels."""

@@ -41,3 +41,7 @@ class AttentionMetadata:
     # The same offsets as Python lists: reference loops index them without syncs.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # The request of each token row, [num_tokens] int32 on device. Kernels that
+    # must not read Python lists (CUDA graphs) take it from here; None means
+    # "derive it from query_start_loc" (the Triton backend does).
+    token_to_req: torch.Tensor | None = None

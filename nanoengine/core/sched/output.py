@@ -5,7 +5,7 @@ turns it into tensors and answers with a ``ModelRunnerOutput``, which
 ``Scheduler.update_from_output()`` folds back into the requests. Chapter 7 follows
 one step through both. vLLM 0.32 counterparts: ``vllm/v1/core/sched/output.py``
 (``SchedulerOutput``, ``NewRequestData``, ``CachedRequestData``, ``GrammarOutput``)
-and ``vllm/v1/outputs.py`` (``ModelRunnerOutput``).
+and ``vllm/v1/outputs.py`` (``ModelRunnerOutput``, ``KVConnectorOutput``).
 
 The split between "new" and "cached" requests is the V1 trick for cheap steps:
 the worker keeps its own copy of each running request, so a decode step only
@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanoengine.distributed.kv_transfer import KVConnectorMetadata
 from nanoengine.sampling_params import SamplingParams
 
 
@@ -64,6 +65,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Requests preempted this step: the worker drops its copy too.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # KV blocks the worker's connector loads or saves this step (chapter 5).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -83,6 +86,13 @@ class GrammarOutput:
 
 
 @dataclass
+class KVConnectorOutput:
+    """What the worker's KV connector finished since the last step."""
+
+    finished_recving: set[str] = field(default_factory=set)  # loads done: promote these
+
+
+@dataclass
 class ModelRunnerOutput:
     """What the worker returns: the tokens sampled for each scheduled request.
 
@@ -92,9 +102,26 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
+    kv_connector_output: KVConnectorOutput | None = None
 
     def by_request(self) -> dict[str, list[int]]:
         return dict(zip(self.req_ids, self.sampled_token_ids))
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler for loggers and metrics (chapter 2 plots these per step).
+
+    vLLM 0.32 counterpart: ``SchedulerStats`` of ``vllm/v1/metrics/stats.py``,
+    which travels to the front end inside ``EngineCoreOutputs``.
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable blocks in use, 0.0 to 1.0
+    prefix_cache_queries: int  # cumulative, in tokens
+    prefix_cache_hits: int  # cumulative, in tokens
+    num_preemptions: int  # cumulative

@@ -14,57 +14,43 @@ One step is ``schedule()`` -> model runner -> ``update_from_output()``:
    running request is preempted (its blocks freed; it will be recomputed).
 2. Then WAITING requests in queue order, as long as budget, ``max_num_seqs`` and
    free blocks last; the prefix cache is consulted before allocating.
+
+Policies, as in vLLM: ``fcfs`` (arrival order; the newest runner is the victim)
+and ``priority`` (lower ``Request.priority`` first, ties by arrival; the lowest
+ranked is the victim, and a waiting request may preempt a runner ranked below it).
 3. ``update_from_output`` appends sampled tokens and retires finished requests.
 
 The KV cache manager is a member created here, as in vLLM: whether a request
 can run is decided by ``allocate_slots``, so memory is a direct input of every
 scheduling decision.
 
-vLLM 0.32 counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler``); the
-stats mirror ``SchedulerStats`` of ``vllm/v1/metrics/stats.py``.
+vLLM 0.32 counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from nanoengine.config import CacheConfig, SchedulerConfig
-from nanoengine.core.kv_cache_manager import KVCacheManager
-from nanoengine.core.kv_cache_sizing import cdiv
-from nanoengine.core.sched.output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from nanoengine.config import CacheConfig, KVTransferConfig, SchedulerConfig
+from nanoengine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from nanoengine.core.sched import blocked_waiting
+from nanoengine.core.sched.output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from nanoengine.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from nanoengine.core.sched.step_plan import StepPlan
 from nanoengine.core.sched.utils import (
     check_stop,
+    make_engine_core_output,
     select_preemption_victim,
+    select_victim_for_admission,
     validate_scheduler_configs,
+    why_never_fits,
 )
-from nanoengine.engine import EngineCoreOutput, EngineCoreOutputs
+from nanoengine.distributed.kv_transfer.scheduler_side import SharedStorageConnectorScheduler
+from nanoengine.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import Request, RequestStatus
+from nanoengine.trace.recorder import NULL_RECORDER, PREEMPT_FOR_PRIORITY, PREEMPT_OUT_OF_BLOCKS, StepRecorder
 from nanoengine.utils.component_tree import TreeNode
-
-# Waiting-queue states the scheduler may admit. The WAITING_FOR_* states are
-# "blocked" (grammar, remote KV, streamed prompt): skipped until promoted.
-_SCHEDULABLE_WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot for loggers and metrics (chapter 2 plots these per step)."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of usable blocks in use, 0.0 to 1.0
-    prefix_cache_queries: int  # cumulative, in tokens
-    prefix_cache_hits: int  # cumulative, in tokens
-    num_preemptions: int  # cumulative
 
 
 class Scheduler(TreeNode):
@@ -77,6 +63,8 @@ class Scheduler(TreeNode):
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         kv_cache_config: KVCacheConfig,
+        recorder: StepRecorder = NULL_RECORDER,
+        kv_transfer_config: KVTransferConfig | None = None,
     ) -> None:
         validate_scheduler_configs(scheduler_config, cache_config, kv_cache_config)
         self.scheduler_config = scheduler_config
@@ -100,11 +88,18 @@ class Scheduler(TreeNode):
         # next update_from_output(), the only method that returns outputs.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        # Sees every decision below (chapter 3's step tracer); a no-op unless tracing.
+        self.recorder = recorder
+        # The scheduler half of a KV connector (chapter 5), and the loads it finished.
+        transfer = kv_transfer_config
+        self.connector = SharedStorageConnectorScheduler(transfer, self.block_size) if transfer else None
+        self.finished_recving_kv_req_ids: set[str] = set()
 
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
             max_model_len=self.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
+            recorder=recorder,
         )
 
     # ---- requests in and out ---------------------------------------------
@@ -114,6 +109,8 @@ class Scheduler(TreeNode):
             raise ValueError(f"Request id {request.request_id!r} is already in the scheduler.")
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
+        request.record_event(EngineCoreEventType.QUEUED)
+        self.recorder.on_request_added(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """End requests from outside (aborts); unknown or finished ids are ignored.
@@ -146,6 +143,7 @@ class Scheduler(TreeNode):
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        self.recorder.on_request_finished(request)
 
     # ---- schedule() --------------------------------------------------------
 
@@ -156,8 +154,13 @@ class Scheduler(TreeNode):
         # now would only take blocks the survivors need next step.
         if not plan.preempted_reqs:
             self._schedule_waiting(plan)
-        scheduler_output = self._make_scheduler_output(plan)
+        scheduler_output = plan.make_scheduler_output(self.kv_cache_manager.get_block_ids, self.finished_req_ids)
         self._update_after_schedule(scheduler_output)
+        self.running = blocked_waiting.park_streaming_requests(self.running, self.waiting)
+        if self.connector is not None:
+            scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
+                self.requests, scheduler_output.num_scheduled_tokens, self.kv_cache_manager.get_block_ids
+            )
         return scheduler_output
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
@@ -167,7 +170,7 @@ class Scheduler(TreeNode):
         for a prefill and 1 for a decode. Chunked prefill cuts it to what is
         left of the budget; without chunking a gap that does not fit waits.
         """
-        num_new_tokens = request.num_tokens - num_computed_tokens
+        num_new_tokens = request.num_prefillable_tokens - num_computed_tokens
         if num_new_tokens > token_budget and not self.enable_chunked_prefill:
             return 0
         return min(num_new_tokens, token_budget)
@@ -182,16 +185,15 @@ class Scheduler(TreeNode):
                 req_index += 1
                 continue
             while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
+                # No prefix-cache lookup has happened yet this step, so any running
+                # request may go: free() drops the hashes of blocks it never filled.
                 victim_index = select_preemption_victim(self.running, self.policy)
                 victim = self.running.pop(victim_index)
                 # The priority policy may pick a request before this one; the
                 # list shifted left, and so must our position in it.
                 if victim_index < req_index:
                     req_index -= 1
-                if victim.request_id in plan.num_scheduled_tokens:
-                    plan.undo(victim)
-                self._preempt_request(victim)
-                plan.preempted_reqs.append(victim)
+                self._preempt_request(victim, plan, PREEMPT_OUT_OF_BLOCKS, for_request=request)
                 if victim is request:
                     break  # nobody left to preempt that ranks below this request
             if new_blocks is None:
@@ -199,15 +201,22 @@ class Scheduler(TreeNode):
                 # running[req_index] is already the next one. (vLLM stops the
                 # loop here; for FCFS that is the same, as the victim is last.)
                 continue
+            self.recorder.on_scheduled(request, num_new_tokens, new_blocks, is_new=False)
             plan.add(request, num_new_tokens, new_blocks, is_new=False)
             req_index += 1
 
-    def _preempt_request(self, request: Request) -> None:
+    def _preempt_request(self, request: Request, plan: StepPlan, reason: str, for_request: Request) -> None:
         """Preempt by recompute: drop the KV, requeue the request at the front.
 
-        Its blocks keep their hashes while free, so when it resumes the prefix
-        cache usually returns most of them and little is actually recomputed.
+        Its computed blocks keep their hashes while free, so when it resumes the
+        prefix cache usually returns most of them and little is recomputed.
+        A victim already booked into this step is unbooked (its tokens refunded).
         """
+        if request.request_id in plan.num_scheduled_tokens:
+            plan.undo(request)
+        plan.preempted_reqs.append(request)
+        request.record_event(EngineCoreEventType.PREEMPTED)
+        self.recorder.on_preempted(request, reason, for_request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -220,23 +229,33 @@ class Scheduler(TreeNode):
         skipped: list[Request] = []
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_running_reqs:
             request = self.waiting.peek_request()
-            if request.status not in _SCHEDULABLE_WAITING_STATES:
-                # Blocked on something else; keep its place for a later step.
-                skipped.append(self.waiting.pop_request())
+            if request in plan.preempted_reqs:
+                break  # everything from here on ranks below a request we just evicted
+            if blocked_waiting.is_blocked(request, self.finished_recving_kv_req_ids):
+                # Waiting for something else; keep its place for a later step.
+                self.waiting.pop_request()
+                if request.is_finished():  # its grammar failed to compile
+                    self._end_unscheduled(request, request.finish_message or "", request.status)
+                else:
+                    skipped.append(request)
                 continue
-            message = self._why_never_fits(request)
+            message = why_never_fits(request, self.max_model_len, self.kv_cache_manager)
             if message is not None:
                 self.waiting.pop_request()
-                self._ignore_request(request, message)
+                self._end_unscheduled(request, message, RequestStatus.FINISHED_IGNORED)
                 continue
 
-            hit_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            hit_blocks, num_cached_tokens = blocked_waiting.computed_blocks(self.kv_cache_manager, request)
+            if self.connector and blocked_waiting.start_remote_kv_load(
+                self.connector, self.kv_cache_manager, request, hit_blocks, num_cached_tokens
+            ):
+                skipped.append(self.waiting.pop_request())  # now WAITING_FOR_REMOTE_KVS
+                continue
             num_new_tokens = self._num_new_tokens(request, num_cached_tokens, plan.token_budget)
             if num_new_tokens == 0:
                 break  # prompt does not fit and chunking is off: wait, in order
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_cached_tokens, hit_blocks
-            )
+            num_new_computed = num_cached_tokens - request.num_computed_tokens  # 0 if it holds its KV
+            new_blocks = self._allocate_for_admission(request, num_new_tokens, num_new_computed, hit_blocks, plan)
             if new_blocks is None:
                 break  # out of blocks: wait for running requests to free some
 
@@ -244,60 +263,47 @@ class Scheduler(TreeNode):
             self.running.append(request)
             plan.add(request, num_new_tokens, new_blocks, is_new=True)
             request.status = RequestStatus.RUNNING
+            request.record_event(EngineCoreEventType.SCHEDULED)
             request.num_computed_tokens = num_cached_tokens
             if request.num_cached_tokens < 0:  # first schedule, not a resume
                 request.num_cached_tokens = num_cached_tokens
+            self.recorder.on_scheduled(request, num_new_tokens, new_blocks, is_new=True)
         self.waiting.prepend_requests(skipped)
 
-    def _why_never_fits(self, request: Request) -> str | None:
-        """Why ``request`` can never run with these limits, or None if it can."""
-        if request.num_tokens > self.max_model_len:
-            return (
-                f"The prompt has {request.num_tokens} tokens, more than max_model_len={self.max_model_len}."
-            )
-        num_blocks_needed = cdiv(request.num_tokens, self.block_size)
-        num_usable_blocks = self.kv_cache_manager.num_usable_blocks
-        if num_blocks_needed > num_usable_blocks:
-            return (
-                f"The request needs {num_blocks_needed} KV cache blocks for its "
-                f"{request.num_tokens} tokens, more than the {num_usable_blocks} blocks "
-                f"of the whole KV cache (block_size={self.block_size})."
-            )
-        return None
+    def _allocate_for_admission(
+        self, request: Request, num_new_tokens: int, num_cached_tokens: int, hit_blocks: KVCacheBlocks,
+        plan: StepPlan,
+    ) -> KVCacheBlocks | None:
+        """Blocks for a waiting request; under priority, taken from lower-priority runners.
 
-    def _ignore_request(self, request: Request, message: str) -> None:
-        request.status = RequestStatus.FINISHED_IGNORED
+        FCFS never preempts for a newcomer; the priority policy preempts running
+        requests that rank strictly below ``request`` until the blocks fit (see
+        ``select_victim_for_admission``). Never a victim: a request admitted
+        earlier in this step, or one that hashed blocks this step has yet to fill
+        -- ``hit_blocks`` (looked up before any preemption) may include them, and
+        preempting their owner would leave them unwritten.
+        """
+        while (
+            new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_cached_tokens, hit_blocks)
+        ) is None:
+            preemptable = [
+                r
+                for r in self.running
+                if r not in plan.new_reqs and not self.kv_cache_manager.has_uncomputed_cached_blocks(r)
+            ]
+            victim_index = select_victim_for_admission(preemptable, request, self.policy)
+            if victim_index is None:
+                return None
+            victim = preemptable[victim_index]
+            self.running.remove(victim)
+            self._preempt_request(victim, plan, PREEMPT_FOR_PRIORITY, for_request=request)
+        return new_blocks
+
+    def _end_unscheduled(self, request: Request, message: str, status: RequestStatus) -> None:
+        request.status = status  # IGNORED (can never fit) or ERROR (bad grammar)
         request.finish_message = message
         self._free_request(request)
-        self._pending_outputs.append(_make_engine_core_output(request, []))
-
-    def _make_scheduler_output(self, plan: StepPlan) -> SchedulerOutput:
-        # num_computed_tokens is read *before* _update_after_schedule advances
-        # it: the worker needs where this step's tokens start.
-        new_reqs_data = [
-            NewRequestData(
-                req_id=request.request_id,
-                token_ids=list(request.all_token_ids),
-                num_prompt_tokens=request.num_prompt_tokens,
-                sampling_params=request.sampling_params,
-                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                num_computed_tokens=request.num_computed_tokens,
-            )
-            for request in plan.new_reqs
-        ]
-        cached_reqs_data = CachedRequestData(
-            req_ids=[request.request_id for request in plan.cached_reqs],
-            new_block_ids=[plan.new_block_ids[request.request_id] for request in plan.cached_reqs],
-            num_computed_tokens=[request.num_computed_tokens for request in plan.cached_reqs],
-        )
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs_data,
-            scheduled_cached_reqs=cached_reqs_data,
-            num_scheduled_tokens=plan.num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={request.request_id for request in plan.preempted_reqs},
-        )
+        self._pending_outputs.append(make_engine_core_output(request, []))
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         """Count this step's tokens as computed now, before the model runs.
@@ -321,6 +327,8 @@ class Scheduler(TreeNode):
     ) -> EngineCoreOutputs:
         """Fold sampled tokens into the requests, retire finished ones, report."""
         sampled_by_req = model_runner_output.by_request()
+        if model_runner_output.kv_connector_output is not None:  # remote KV loads that completed
+            self.finished_recving_kv_req_ids |= model_runner_output.kv_connector_output.finished_recving
         outputs, self._pending_outputs = self._pending_outputs, []
         stopped: set[Request] = set()
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -333,7 +341,7 @@ class Scheduler(TreeNode):
                 stopped.add(request)
                 self._free_request(request)
             if new_token_ids or is_stopped:
-                outputs.append(_make_engine_core_output(request, new_token_ids))
+                outputs.append(make_engine_core_output(request, new_token_ids))
         if stopped:
             self.running = [request for request in self.running if request not in stopped]
         return EngineCoreOutputs(outputs=outputs)
@@ -346,6 +354,8 @@ class Scheduler(TreeNode):
         """
         for num_kept, token_id in enumerate(sampled, start=1):
             request.append_output_token_ids(token_id)
+            if request.structured_output_request is not None:  # advance the grammar
+                request.structured_output_request.accept_tokens([token_id])
             if check_stop(request, self.max_model_len):
                 return sampled[:num_kept], True
         return sampled, False
@@ -387,14 +397,3 @@ class Scheduler(TreeNode):
             prefix_cache_hits=prefix_stats.hits,
             num_preemptions=self.num_preemptions,
         )
-
-
-def _make_engine_core_output(request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
-    return EngineCoreOutput(
-        request_id=request.request_id,
-        new_token_ids=new_token_ids,
-        finish_reason=request.get_finished_reason(),
-        stop_reason=request.stop_reason,
-        num_cached_tokens=max(request.num_cached_tokens, 0),
-        finish_message=request.finish_message,
-    )

@@ -14,9 +14,11 @@ vLLM 0.32 counterpart: the local variables of ``Scheduler.schedule()`` in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanoengine.core.kv_cache_manager import KVCacheBlocks
+from nanoengine.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from nanoengine.request import Request
 
 
@@ -38,6 +40,7 @@ class StepPlan:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted_reqs: list[Request] = field(default_factory=list)
 
+    # BEGIN EXERCISE 3.1
     def add(self, request: Request, num_new_tokens: int, new_blocks: KVCacheBlocks, is_new: bool) -> None:
         """Book ``num_new_tokens`` of ``request`` into this step, paying from the budget."""
         self.num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -47,6 +50,7 @@ class StepPlan:
         else:
             self.cached_reqs.append(request)
             self.new_block_ids[request.request_id] = new_blocks.get_block_ids()
+    # END EXERCISE 3.1
 
     def undo(self, request: Request) -> None:
         """Cancel the booking of a running request preempted later in the same step.
@@ -57,3 +61,36 @@ class StepPlan:
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
         self.cached_reqs.remove(request)
         del self.new_block_ids[request.request_id]
+
+    def make_scheduler_output(
+        self, get_block_ids: Callable[[str], list[int]], finished_req_ids: set[str]
+    ) -> SchedulerOutput:
+        """The finished plan as the message the worker receives (chapter 7).
+
+        Must run before the scheduler advances ``num_computed_tokens``: the
+        worker needs where this step's tokens start.
+        """
+        new_reqs_data = [
+            NewRequestData(
+                req_id=request.request_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=get_block_ids(request.request_id),
+                num_computed_tokens=request.num_computed_tokens,
+            )
+            for request in self.new_reqs
+        ]
+        cached_reqs_data = CachedRequestData(
+            req_ids=[request.request_id for request in self.cached_reqs],
+            new_block_ids=[self.new_block_ids[request.request_id] for request in self.cached_reqs],
+            num_computed_tokens=[request.num_computed_tokens for request in self.cached_reqs],
+        )
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached_reqs_data,
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(self.num_scheduled_tokens.values()),
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids={request.request_id for request in self.preempted_reqs},
+        )

@@ -4,7 +4,8 @@ and whether its limits make sense at all.
 Chapter 3 (scheduler). Each is a plain function of its arguments, kept apart
 from ``Scheduler`` so it can be read, tested and changed on its own.
 
-vLLM 0.32 counterpart: ``vllm/v1/core/sched/utils.py`` (``check_stop``); the
+vLLM 0.32 counterpart: ``vllm/v1/core/sched/utils.py`` (``check_stop``,
+``check_sequence_repetition``); the
 victim choice is inline in ``Scheduler.schedule()`` there, and the config checks
 live in ``vllm/config/scheduler.py``.
 """
@@ -12,11 +13,15 @@ live in ``vllm/config/scheduler.py``.
 from __future__ import annotations
 
 from nanoengine.config import CacheConfig, SchedulerConfig
+from nanoengine.core.kv_cache_manager import KVCacheManager
+from nanoengine.core.kv_cache_sizing import cdiv
 from nanoengine.core.sched.request_queue import SchedulingPolicy
+from nanoengine.engine import EngineCoreOutput
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import Request, RequestStatus
 
 
+# BEGIN EXERCISE 3.2
 def select_preemption_victim(running: list[Request], policy: SchedulingPolicy) -> int:
     """Index in ``running`` of the request to preempt when KV blocks run out.
 
@@ -39,6 +44,26 @@ def select_preemption_victim(running: list[Request], policy: SchedulingPolicy) -
         range(len(running)),
         key=lambda index: (running[index].priority, running[index].arrival_time, index),
     )
+# END EXERCISE 3.2
+
+
+def select_victim_for_admission(running: list[Request], request: Request, policy: SchedulingPolicy) -> int | None:
+    """Index in ``running`` of the request to preempt so waiting ``request`` can start.
+
+    Only the priority policy preempts for a newcomer, and only a request that
+    ranks strictly below it by ``(priority, arrival_time)``: the lowest-ranked
+    running request (``select_preemption_victim``) if it does, else nobody
+    (None: ``request`` waits). FCFS always answers None: everyone running
+    arrived before ``request``. Preempting an equal would let two requests
+    evict each other forever.
+    """
+    if policy is not SchedulingPolicy.PRIORITY or not running:
+        return None
+    victim_index = select_preemption_victim(running, policy)
+    victim = running[victim_index]
+    if (victim.priority, victim.arrival_time) <= (request.priority, request.arrival_time):
+        return None
+    return victim_index
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -51,7 +76,9 @@ def check_stop(request: Request, max_model_len: int) -> bool:
        ``all_stop_token_ids`` -- ends the request as STOPPED, but only once
        ``min_tokens`` outputs exist; before that it is generated like any token;
     b) reaching ``max_tokens`` outputs, or ``max_model_len`` tokens in total
-       (the model has no positions beyond it), ends it as LENGTH_CAPPED.
+       (the model has no positions beyond it), ends it as LENGTH_CAPPED;
+    c) an output that ends in a loop (``repetition_detection``) ends it as
+       REPETITION.
 
     Checking (a) first means a stop token that happens to be the last allowed
     token reports "stop", which is what the user asked for. (Some vLLM releases
@@ -74,7 +101,61 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     ):
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
+    detection = params.repetition_detection
+    if detection is not None and ends_in_repetition(
+        request.output_token_ids, detection.min_pattern_size, detection.max_pattern_size, detection.min_count
+    ):
+        request.status = RequestStatus.FINISHED_REPETITION
+        return True
     return False
+
+
+def ends_in_repetition(token_ids: list[int], min_size: int, max_size: int, min_count: int) -> bool:
+    """True if ``token_ids`` ends with some pattern of ``min_size``..``max_size``
+    tokens repeated ``min_count`` times back to back.
+
+    Called after every token, so only suffixes need checking: a loop that began
+    earlier was already caught when its ``min_count``-th copy completed. Cost per
+    call is O(max_size * min_count * max_size) comparisons at most.
+    """
+    for size in range(min_size, max_size + 1):
+        span = size * min_count
+        if span > len(token_ids):
+            break
+        tail = token_ids[-span:]
+        pattern = tail[-size:]
+        if all(tail[start : start + size] == pattern for start in range(0, span, size)):
+            return True
+    return False
+
+
+def why_never_fits(request: Request, max_model_len: int, kv_cache_manager: KVCacheManager) -> str | None:
+    """Why ``request`` can never run with these limits, or None if it can."""
+    block_size, num_usable_blocks = kv_cache_manager.block_size, kv_cache_manager.num_usable_blocks
+    if request.num_tokens > max_model_len:
+        return f"The prompt has {request.num_tokens} tokens, more than max_model_len={max_model_len}."
+    num_blocks_needed = cdiv(request.num_tokens, block_size)
+    if num_blocks_needed > num_usable_blocks:
+        return (
+            f"The request needs {num_blocks_needed} KV cache blocks for its "
+            f"{request.num_tokens} tokens, more than the {num_usable_blocks} blocks "
+            f"of the whole KV cache (block_size={block_size})."
+        )
+    return None
+
+
+def make_engine_core_output(request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
+    """What the front end hears about ``request`` after a step."""
+    return EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=new_token_ids,
+        finish_reason=request.get_finished_reason(),
+        stop_reason=request.stop_reason,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+        finish_message=request.finish_message,
+        events=request.take_events(),
+        num_external_computed_tokens=request.num_external_computed_tokens,
+    )
 
 
 def validate_scheduler_configs(

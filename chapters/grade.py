@@ -1,0 +1,151 @@
+"""Grade an exercise: swap the student's function into the real engine and compare.
+
+    python -m chapters.grade 4.1 [--model DIR]     # grade chapters/exercises/ex4_1.py
+    python -m chapters.grade --all
+
+For the duration of grading, the student's function replaces the reference one
+wherever the engine can reach it: a method is set on its class (re-wrapped in
+``staticmethod`` when the reference is one); a module-level function is replaced
+in its module and in every ``nanoengine``/``chapters`` module that imported it by
+name. Each check of ``chapters/grade_checks.py`` then runs with the reference and
+with the student's code; the results must be equal. The same machinery backs
+``tests/test_exercises.py`` (pytest marker ``exercise_4_1``; ``NANOENGINE_STUDENT=1``
+grades the stubs instead of the reference).
+
+Chapters 1, 3-7 (the exercises). vLLM 0.32 counterpart: none (teaching material).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from chapters.exercises import Exercise, find_exercises
+from chapters.grade_checks import CHECKS, Check
+
+_SWAPPABLE_PACKAGES = ("nanoengine", "chapters")
+_DETAIL_CHARS = 400  # enough to see where two results part ways
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    passed: bool
+    detail: str  # empty when passed
+
+
+def _owner(exercise: Exercise) -> Any:
+    """The class holding a method exercise (``Outer.Inner`` works too)."""
+    owner: Any = importlib.import_module(exercise.module)
+    for part in exercise.class_name.split(".") if exercise.class_name else ():
+        owner = getattr(owner, part)
+    return owner
+
+
+def reference_function(exercise: Exercise) -> Callable[..., Any]:
+    """The reference implementation, unwrapped from ``staticmethod`` if need be."""
+    raw = vars(_owner(exercise))[exercise.function_name]
+    return raw.__func__ if isinstance(raw, staticmethod) else raw  # type: ignore[no-any-return]
+
+
+def student_function(exercise: Exercise) -> Callable[..., Any]:
+    """The function in the exercise's stub module (the student's work)."""
+    return getattr(importlib.import_module(exercise.stub_module), exercise.function_name)  # type: ignore[no-any-return]
+
+
+# [anchor: grader-swap]
+@contextmanager
+def swapped_in(exercise: Exercise, candidate: Callable[..., Any]) -> Iterator[None]:
+    """Run the enclosed code with ``candidate`` in place of the reference function."""
+    owner, name = _owner(exercise), exercise.function_name
+    original = vars(owner)[name]
+    if exercise.class_name is not None:
+        sites = [(owner, name)]
+        replacement = staticmethod(candidate) if isinstance(original, staticmethod) else candidate
+    else:
+        # ``from m import f`` copies the binding, so every importer needs the swap.
+        modules = [m for key, m in list(sys.modules.items())
+                   if key.partition(".")[0] in _SWAPPABLE_PACKAGES and m is not None]
+        sites = [(m, attr) for m in modules for attr, value in list(vars(m).items()) if value is original]
+        replacement = candidate
+    for site, attr in sites:
+        setattr(site, attr, replacement)
+    try:
+        yield
+    finally:
+        for site, attr in sites:
+            setattr(site, attr, original)
+# [/anchor: grader-swap]
+
+
+@functools.cache
+def _reference_result(exercise_id: str, check_name: str, model: str) -> Any:
+    check = next(c for c in CHECKS[exercise_id] if c.name == check_name)
+    return check.run(model)
+
+
+def _run_check(exercise: Exercise, check: Check, candidate: Callable[..., Any], model: str) -> CheckResult:
+    expected = _reference_result(exercise.exercise_id, check.name, model)
+    try:
+        with swapped_in(exercise, candidate):
+            actual = check.run(model)
+    except Exception as exc:  # noqa: BLE001 -- any failure of the candidate is a failed check
+        return CheckResult(check.name, False, f"raised {type(exc).__name__}: {exc}"[:_DETAIL_CHARS])
+    if actual != expected:
+        detail = f"expected {expected!r}\n     got {actual!r}"
+        return CheckResult(check.name, False, detail[: 2 * _DETAIL_CHARS])
+    return CheckResult(check.name, True, "")
+
+
+def grade(exercise_id: str, candidate: Callable[..., Any], model: str) -> list[CheckResult]:
+    """Every check of one exercise, run with ``candidate`` swapped in."""
+    exercises = find_exercises()
+    if exercise_id not in exercises:
+        raise ValueError(f"Unknown exercise {exercise_id!r}; known: {', '.join(exercises)}.")
+    if exercise_id not in CHECKS:
+        raise ValueError(f"Exercise {exercise_id} is marked in the code but has no checks in grade_checks.py.")
+    exercise = exercises[exercise_id]
+    return [_run_check(exercise, check, candidate, model) for check in CHECKS[exercise_id]]
+
+
+def _report(exercise_id: str, results: list[CheckResult]) -> bool:
+    passed = all(r.passed for r in results)
+    print(f"Exercise {exercise_id}: {'PASS' if passed else 'FAIL'}")
+    for result in results:
+        print(f"  [{'ok' if result.passed else 'FAIL'}] {result.name}")
+        if result.detail:
+            print("        " + result.detail.replace("\n", "\n        "))
+    return passed
+
+
+def main(argv: list[str] | None = None) -> int:
+    from chapters._common import DEFAULT_MODEL  # the CLI grades on the real model by default
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("exercise", nargs="?", help="an exercise id such as 4.1")
+    parser.add_argument("--all", action="store_true", help="grade every exercise")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model for the end-to-end checks")
+    parser.add_argument("--reference", action="store_true", help="grade the reference itself (sanity check)")
+    args = parser.parse_args(argv)
+    exercises = find_exercises()
+    if args.all == (args.exercise is not None):
+        parser.error(f"give one exercise id or --all; exercises: {', '.join(exercises)}")
+    if args.exercise is not None and args.exercise not in exercises:
+        parser.error(f"unknown exercise {args.exercise!r}; exercises: {', '.join(exercises)}")
+    ids = list(exercises) if args.all else [args.exercise]
+    ok = True
+    for exercise_id in ids:
+        exercise = exercises[exercise_id]
+        candidate = reference_function(exercise) if args.reference else student_function(exercise)
+        ok = _report(exercise_id, grade(exercise_id, candidate, args.model)) and ok
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The machine's fp32 matmul roofline, its memory bandwidth, and a model's share (chapter 2).
+
+Used by ``python -m chapters.ch02_batching`` and by ``scripts/bench.py``.
+
+Chapter 2 asks whether decode is memory-bound or compute-bound. On this kind of
+CPU the answer comes from two numbers: what one large GEMM reaches (the best
+this machine does on a model's main operation, in GFLOP/s) and how many FLOPs a
+generated token costs (2 per weight of every matmul the token passes through,
+plus attention's 4 * layers * hidden per cached token). Model FLOP/s achieved
+divided by the GEMM figure is the "roofline share" bench.py prints.
+vLLM 0.32 counterpart: none in the engine; ``vllm/benchmarks`` reports only tok/s.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Roofline:
+    gflops: float  # best fp32 GEMM throughput measured
+    size: int  # the square GEMM size it was measured on
+    threads: int
+
+
+def measure_gemm_roofline(size: int = 2048, repeats: int = 5) -> Roofline:
+    """Best of ``repeats`` [size x size] @ [size x size] fp32 products, in GFLOP/s."""
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    torch.mm(a, b)  # first call: thread pool start-up, page faults
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return Roofline(gflops=2 * size**3 / best / 1e9, size=size, threads=torch.get_num_threads())
+
+
+def measure_memory_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Best copy bandwidth in GB/s (bytes read + bytes written), a decode step's other limit."""
+    source = torch.ones(num_bytes // 4)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best / 1e9
+
+
+def matmul_flops_per_token(hf_config: Any) -> float:
+    """2 x (weights of every per-token matmul): q/k/v/o, gate/up/down, LM head."""
+    hidden = int(hf_config.hidden_size)
+    heads = int(hf_config.num_attention_heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    inter = int(hf_config.intermediate_size)
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter
+    return 2.0 * (int(hf_config.num_hidden_layers) * per_layer + hidden * int(hf_config.vocab_size))
+
+
+def attention_flops(hf_config: Any, context_len: float) -> float:
+    """QK^T and PV for one query token over ``context_len`` cached tokens."""
+    heads = int(hf_config.num_attention_heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or int(hf_config.hidden_size) // heads)
+    return 4.0 * int(hf_config.num_hidden_layers) * heads * head_dim * context_len
+
+
+def workload_flops(hf_config: Any, prompts: list[list[int]], max_tokens: list[int]) -> float:
+    """FLOPs of one whole workload: every prompt token and every generated token.
+
+    A generated token at position p attends to p tokens; the mean context of a
+    request is its prompt plus half its output.
+    """
+    per_token = matmul_flops_per_token(hf_config)
+    total = 0.0
+    for prompt, new in zip(prompts, max_tokens):
+        tokens = len(prompt) + new
+        total += tokens * per_token + tokens * attention_flops(hf_config, tokens / 2)
+    return total
+
+
+def median_or_dash(values: list[float], scale: float = 1000.0) -> str:
+    """A median in milliseconds, or "-" when the system reports none."""
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    value = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return f"{value * scale:.0f}"
+
+
+def extras_table(
+    rows: list[tuple[str, str, float, float]],
+    latencies: dict[tuple[str, str], dict[str, list[float]]],
+    roofline: Roofline,
+) -> Any:
+    """(workload, system, median seconds, workload GFLOP) rows -> a rich Table.
+
+    The share is model FLOP/s (the whole workload, prefill included, over the
+    median wall time) divided by the measured GEMM roofline.
+    """
+    from rich.table import Table
+
+    table = Table(title=f"Latency and roofline share (fp32 GEMM roofline {roofline.gflops:.1f} GFLOP/s)")
+    for column in ("workload", "system", "TTFT median ms", "TPOT median ms", "model GFLOP/s", "roofline share"):
+        table.add_column(column, justify="left" if column in ("workload", "system") else "right")
+    for workload, system, seconds, gflop in rows:
+        achieved = gflop / seconds
+        measured = latencies.get((workload, system), {})
+        table.add_row(
+            workload,
+            system,
+            median_or_dash(measured.get("ttft", [])),
+            median_or_dash(measured.get("tpot", [])),
+            f"{achieved:.1f}",
+            f"{achieved / roofline.gflops:.0%}",
+        )
+    table.caption = f"roofline: best of 5 [{roofline.size}x{roofline.size}] fp32 matmuls, {roofline.threads} threads"
+    return table

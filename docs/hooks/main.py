@@ -1,0 +1,166 @@
+"""mkdocs hook: every code<->prose link of the site is computed at build time.
+
+* Source pages: every file of ``nanoengine/`` and ``chapters/`` becomes a page
+  ``source/<path>.md`` with numbered, anchored lines (``#__codelineno-0-<line>``).
+* API reference: one mkdocstrings page per ``nanoengine`` module, added to the nav
+  here, so a new module appears without editing ``mkdocs.yml``. Every "chapter N"
+  in a rendered docstring becomes a link to that chapter's page.
+* Macros in pages, all checked: ``{{ code("NAME") }}`` embeds a code region with
+  its current line numbers and a link to those lines; ``{{ code_link("NAME") }}``
+  is the link alone; ``{{ source_map() }}`` is the live component-tree table;
+  ``{{ grader_checks("4.1") }}`` lists what the grader runs for an exercise.
+  An unknown name, macro or exercise fails the build.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File, Files
+from mkdocs.structure.pages import Page
+from mkdocs.utils import get_relative_url
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import code_regions
+import source_map
+
+ROOT = code_regions.ROOT
+CHAPTER_PAGE = "chapters/ch{:02d}.md"
+REFERENCE_DIR = "reference"
+_MACRO = re.compile(r"\{\{\s*(\w+)\((?:\"([^\"]*)\")?\)\s*\}\}")
+# "Chapter 5", "chapters 6 and 7", "chapters 1, 5-7": every digit gets a link.
+_CHAPTER_MENTION = re.compile(r"\b([Cc]hapters?)(\s+\d(?:\s*(?:,|-|–|and|or)\s*\d)*)")
+_TAG = re.compile(r"(<[^>]+>)")
+_NO_LINK_INSIDE = ("a", "code", "pre")
+# Repository path -> site URL of its source page, filled by on_files.
+_SOURCE_URLS: dict[str, str] = {}
+
+
+# ------------------------------------------------------------------ config / files
+def _modules() -> list[str]:
+    """Every module of the nanoengine package, dotted, in path order."""
+    names = []
+    for path in code_regions.source_files():
+        if path.parts[0] != "nanoengine":
+            continue
+        parts = list(path.with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names.append(".".join(parts))
+    return names
+
+
+def on_config(config: Any) -> Any:
+    code_regions.clear_cache()
+    nav = config["nav"]
+    entry = next((item for item in nav if isinstance(item, dict) and "API reference" in item), None)
+    if entry is None:
+        raise PluginError("mkdocs.yml nav needs an 'API reference' section for the generated pages")
+    entry["API reference"] = [{name: f"{REFERENCE_DIR}/{name}.md"} for name in _modules()]
+    return config
+
+
+def _source_page(path: Path) -> str:
+    text = (ROOT / path).read_text(encoding="utf-8")
+    fence = "`" * max(4, max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    return f"# `{path.as_posix()}`\n\n{fence}python linenums=\"1\"\n{text}\n{fence}\n"
+
+
+def on_files(files: Files, config: Any) -> Files:
+    _SOURCE_URLS.clear()
+    for path in code_regions.source_files():
+        source_file = File.generated(config, f"source/{path.as_posix()}.md", content=_source_page(path))
+        files.append(source_file)
+        _SOURCE_URLS[path.as_posix()] = source_file.url
+    for name in _modules():
+        page = f"# `{name}`\n\n::: {name}\n"
+        files.append(File.generated(config, f"{REFERENCE_DIR}/{name}.md", content=page))
+    return files
+
+
+# ------------------------------------------------------------------------ macros
+def _line_link(page: Page, path: str, line: int, end: int | None = None) -> str:
+    """An HTML link to our source page at ``line`` (raw HTML: mkdocs cannot see
+    the line anchors inside highlighted code, so the browser test checks them)."""
+    label = f"{path}:{line}" if end is None or end == line else f"{path}:{line}-{end}"
+    target = _SOURCE_URLS.get(path)
+    if target is None:
+        return f"`{label}`"
+    href = f"{get_relative_url(target, page.url)}#__codelineno-0-{line}"
+    return f'<a class="code-link" href="{href}" data-line="{line}"><code>{label}</code></a>'
+
+
+def _code_block(page: Page, name: str) -> str:
+    region = code_regions.find_region(name)
+    link = _line_link(page, region.path, region.start, region.end)
+    return f'{link}\n\n```python linenums="{region.start}"\n{region.text()}\n```\n'
+
+
+def _grader_checks(exercise_id: str) -> str:
+    from chapters.grade_checks import CHECKS
+
+    if exercise_id not in CHECKS:
+        raise LookupError(f"exercise {exercise_id!r} has no checks in chapters/grade_checks.py")
+    return "\n".join(f"- {check.name}" for check in CHECKS[exercise_id])
+
+
+def _expand(match: re.Match[str], page: Page) -> str:
+    macro, argument = match[1], match[2]
+    if macro == "code":
+        return _code_block(page, argument)
+    if macro == "code_link":
+        region = code_regions.find_region(argument)
+        return _line_link(page, region.path, region.start, region.end)
+    if macro == "source_map":
+        return source_map.render(lambda path, line: _line_link(page, path, line))
+    if macro == "grader_checks":
+        return _grader_checks(argument)
+    raise LookupError(f"unknown macro {macro!r}")
+
+
+def on_page_markdown(markdown: str, page: Page, config: Any, files: Files) -> str:
+    if page.file.src_uri.startswith(("source/", f"{REFERENCE_DIR}/")):
+        return markdown
+    try:
+        return _MACRO.sub(lambda match: _expand(match, page), markdown)
+    except LookupError as exc:
+        raise PluginError(f"{page.file.src_uri}: {exc}") from exc
+
+
+# ------------------------------------------------------------- chapter links
+def _link_chapters(text: str, page: Page) -> str:
+    def link(match: re.Match[str]) -> str:
+        def one(digit: re.Match[str]) -> str:
+            target = CHAPTER_PAGE.format(int(digit[0]))
+            if not (ROOT / "docs" / target).is_file():
+                raise PluginError(f"{page.file.src_uri}: a docstring names chapter {digit[0]}, which has no page")
+            url = get_relative_url(target.removesuffix(".md") + "/", page.url)
+            return f'<a class="chapter-link" href="{url}">{digit[0]}</a>'
+
+        return match[1] + re.sub(r"\d", one, match[2])
+
+    return _CHAPTER_MENTION.sub(link, text)
+
+
+def on_page_content(html: str, page: Page, config: Any, files: Files) -> str:
+    """In the API reference, "chapter N" in docstrings links to the chapter page."""
+    if not page.file.src_uri.startswith(f"{REFERENCE_DIR}/"):
+        return html
+    pieces = _TAG.split(html)
+    open_tags: list[str] = []
+    for index, piece in enumerate(pieces):
+        if piece.startswith("<"):
+            tag = re.match(r"</?\s*(\w+)", piece)
+            if tag and tag[1] in _NO_LINK_INSIDE:
+                if piece.startswith("</"):
+                    if tag[1] in open_tags:
+                        open_tags.remove(tag[1])
+                elif not piece.endswith("/>"):
+                    open_tags.append(tag[1])
+        elif piece and not open_tags:
+            pieces[index] = _link_chapters(piece, page)
+    return "".join(pieces)

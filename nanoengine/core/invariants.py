@@ -1,0 +1,178 @@
+"""Invariants of the KV cache and the scheduler, checked from the outside.
+
+Chapters 3 (scheduler) and 4 (KV cache manager). Every bug in a paged KV cache
+ends the same way: two requests write the same block, or a block leaks and the
+cache slowly fills with nobody's data. Both are silent -- the model keeps
+producing plausible tokens. So these checks restate, as executable facts, what
+the bookkeeping must guarantee after every step:
+
+* every block is exactly one of: the null block, free (uncached), free but
+  still cached (evictable), or in use -- and the counts add up to the pool;
+* a block's ``ref_cnt`` equals the number of block tables holding it; a block
+  with ``ref_cnt == 0`` is in the free queue, once, and a held one is not;
+* no block appears twice in one request's table, and the null block in none;
+* the prefix cache map and the blocks agree (``map[h].block_hash == h``, and
+  every hashed block is in the map under its hash), and a cached block in a
+  table carries that request's own hash for that position;
+* running requests hold blocks for all their computed tokens; waiting and
+  finished ones hold none; an idle engine holds no block at all.
+
+``check_invariants(scheduler)`` runs them all; the engine calls it after each
+step when ``check_invariants=True`` (or ``NANOENGINE_CHECK_INVARIANTS=1``), and
+every engine test turns that on. Cost: O(blocks referenced) plus, for pools up
+to ``FULL_WALK_MAX_BLOCKS``, one pass over the whole pool.
+
+vLLM 0.32 counterpart: none; vLLM's tests assert pieces of this
+(``tests/v1/core/test_prefix_caching.py``), nanoengine keeps them in one place.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from nanoengine.core.block_pool import BlockPool
+from nanoengine.core.kv_cache_coordinator import KVCacheCoordinator
+from nanoengine.core.kv_cache_sizing import cdiv
+from nanoengine.core.kv_cache_utils import KVCacheBlock
+from nanoengine.core.sched.scheduler import Scheduler
+from nanoengine.request import RequestStatus
+
+
+class InvariantViolation(AssertionError):
+    """The engine's bookkeeping contradicts itself (always a bug, never bad input)."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvariantViolation(message)
+
+
+# Up to this many blocks the whole pool is walked after every step; above it
+# (a tiny test model given gigabytes holds ~10^5 blocks) only the blocks that
+# tables or the prefix cache reference are checked, plus the free-block count.
+FULL_WALK_MAX_BLOCKS = 16_384
+
+
+def check_kv_blocks(coordinator: KVCacheCoordinator) -> None:
+    """Block tables, ref counts, the free queue and the prefix-cache map agree."""
+    pool = coordinator.block_pool
+    holders: Counter[int] = Counter()
+    for request_id, blocks in coordinator.req_to_blocks.items():
+        ids = [block.block_id for block in blocks]
+        _require(len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice: {_duplicates(ids)}")
+        _require(pool.null_block.block_id not in ids, f"request {request_id!r} holds the null block")
+        holders.update(ids)
+    # Only referenced blocks can be wrong in a way the count below misses.
+    referenced = {pool.blocks[block_id] for block_id in holders}
+    referenced.update(pool.cached_block_hash_to_block.values())
+    referenced.add(pool.null_block)
+    for block in referenced:
+        _check_block(pool, block, holders[block.block_id])
+    for block_hash, block in pool.cached_block_hash_to_block.items():
+        _require(
+            block.block_hash == block_hash, f"prefix cache entry for block {block.block_id} has a stale hash"
+        )
+    # free + cached-free + in-use = usable, with "free" counted by the queue.
+    num_free = pool.free_block_queue.num_free_blocks
+    _require(
+        num_free + len(holders) == pool.num_usable_blocks,
+        f"{num_free} free + {len(holders)} in use != {pool.num_usable_blocks} usable blocks "
+        "(a block leaked, or was freed twice)",
+    )
+    if pool.num_blocks <= FULL_WALK_MAX_BLOCKS:
+        _walk_whole_pool(pool, holders)
+
+
+def _check_block(pool: BlockPool, block: KVCacheBlock, num_holders: int) -> None:
+    """One block: ref count = tables holding it; in the free queue iff nobody holds it."""
+    in_queue = block.prev_free_block is not None and block.next_free_block is not None
+    _require(
+        block.ref_cnt == num_holders,
+        f"block {block.block_id} has ref_cnt {block.ref_cnt} but {num_holders} tables hold it",
+    )
+    if block is pool.null_block:
+        _require(not in_queue and block.ref_cnt == 0, "the null block is in use or in the free queue")
+        return
+    _require(
+        in_queue == (block.ref_cnt == 0),
+        f"block {block.block_id}: ref_cnt={block.ref_cnt} but in_free_queue={in_queue}",
+    )
+    if block.block_hash is not None:
+        _require(
+            pool.cached_block_hash_to_block.get(block.block_hash) is block,
+            f"block {block.block_id} has a hash the prefix cache maps to another block (or none)",
+        )
+
+
+def _walk_whole_pool(pool: BlockPool, holders: Counter[int]) -> None:
+    """The O(num_blocks) part: the free list itself, and every block."""
+    free_ids = [block.block_id for block in pool.free_block_queue.get_all_free_blocks()]
+    _require(
+        len(set(free_ids)) == len(free_ids), f"a block is twice in the free queue: {_duplicates(free_ids)}"
+    )
+    _require(
+        pool.free_block_queue.num_free_blocks == len(free_ids),
+        f"free queue counter says {pool.free_block_queue.num_free_blocks}, the list holds {len(free_ids)}",
+    )
+    for block in pool.blocks:
+        _check_block(pool, block, holders[block.block_id])
+
+
+def check_scheduler(scheduler: Scheduler) -> None:
+    """Requests against their blocks, and the queues against each other."""
+    manager = scheduler.kv_cache_manager
+    tables = manager.coordinator.req_to_blocks
+    running_ids = {request.request_id for request in scheduler.running}
+    _require(len(running_ids) == len(scheduler.running), "a request is twice in the running list")
+    for request in scheduler.running:
+        _require(
+            request.status == RequestStatus.RUNNING, f"{request.request_id!r} in running is {request.status}"
+        )
+        blocks = tables.get(request.request_id, [])
+        needed = cdiv(min(request.num_computed_tokens, scheduler.max_model_len), manager.block_size)
+        _require(
+            len(blocks) >= needed,
+            f"running {request.request_id!r} computed {request.num_computed_tokens} tokens "
+            f"but holds only {len(blocks)} blocks of {manager.block_size}",
+        )
+        for index, block in enumerate(blocks):
+            if block.block_hash is not None:
+                _require(
+                    index < len(request.block_hashes) and request.block_hashes[index] == block.block_hash,
+                    f"block {block.block_id} at position {index} of {request.request_id!r} is cached "
+                    "under a hash that is not the request's",
+                )
+    for request in scheduler.waiting:
+        _require(request.request_id not in running_ids, f"{request.request_id!r} is both waiting and running")
+        _require(not request.is_finished(), f"finished {request.request_id!r} is still waiting")
+        # Only a request that keeps KV while it waits (a parked stream, a remote
+        # KV load; chapter 5) holds blocks in the waiting queue.
+        _require(
+            request.num_computed_tokens > 0 or not tables.get(request.request_id),
+            f"waiting {request.request_id!r} holds blocks",
+        )
+    keeping_kv = {r.request_id for r in scheduler.waiting if r.num_computed_tokens > 0}
+    holders_without_request = set(tables) - running_ids - keeping_kv
+    _require(
+        not any(tables[rid] for rid in holders_without_request),
+        f"requests not running hold blocks: {sorted(holders_without_request)}",
+    )
+    _require(
+        set(scheduler.requests) == running_ids | {r.request_id for r in scheduler.waiting},
+        "scheduler.requests disagrees with the waiting and running queues",
+    )
+    if not scheduler.has_unfinished_requests():
+        _require(
+            manager.num_free_blocks == manager.num_usable_blocks,
+            f"idle engine still holds {manager.num_usable_blocks - manager.num_free_blocks} blocks",
+        )
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    """Every check above; raises ``InvariantViolation`` naming the first broken one."""
+    check_kv_blocks(scheduler.kv_cache_manager.coordinator)
+    check_scheduler(scheduler)
+
+
+def _duplicates(ids: list[int]) -> list[int]:
+    return sorted(block_id for block_id, count in Counter(ids).items() if count > 1)

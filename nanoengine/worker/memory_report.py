@@ -1,0 +1,92 @@
+"""The memory breakdown of chapter 6, and the batch-size bound it implies (chapter 2).
+
+After ``LLM(...)`` has profiled the model and sized the KV cache, this report
+puts the pieces side by side: weights, peak activations of the profiling pass,
+memory outside torch, CUDA graphs, and the KV cache that remains -- then what
+the KV cache buys: blocks, tokens, and how many ``max_model_len`` requests fit
+at once. ``EngineCore`` keeps one (``engine_core.memory_report``); it is logged
+at INFO level on the ``nanoengine`` logger at start-up (silent by default, so
+tests stay quiet) and printed by ``python -m chapters.ch06_construction``.
+vLLM 0.32 counterpart: the start-up log lines of ``vllm/v1/worker/gpu_worker.py``
+(``determine_available_memory``: "Memory profiling takes ... model weights took
+... the rest of the memory reserved for KV Cache is ...") and
+``vllm/v1/core/kv_cache_utils.py`` ("GPU KV cache size: ... tokens; Maximum
+concurrency for ... tokens per request: ...x").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from nanoengine.core.kv_cache_sizing import format_bytes, max_concurrency
+from nanoengine.kv_cache_interface import KVCacheConfig
+from nanoengine.worker.worker import MemoryProfile
+
+
+@dataclass
+class MemoryReport:
+    """The profile, the KV cache it paid for, and the request length it is judged by."""
+
+    profile: MemoryProfile
+    kv_cache_config: KVCacheConfig
+    max_model_len: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_config.num_blocks
+
+    @property
+    def token_capacity(self) -> int:
+        # Block 0 is the block pool's null block and never holds tokens.
+        return (self.num_blocks - 1) * self.kv_cache_config.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        return max_concurrency(self.kv_cache_config, self.max_model_len)
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """(item, size, how it was obtained), in the order chapter 6 tells them."""
+        profile = self.profile
+        rows = [
+            ("model weights", format_bytes(profile.weights_bytes), "sum of parameter sizes"),
+            ("peak activations", format_bytes(profile.peak_activation_bytes), profile.activation_method),
+        ]
+        if profile.device == "cuda":
+            rows += [
+                ("non-torch memory", format_bytes(profile.non_torch_bytes), "used on the GPU outside torch"),
+                ("CUDA graphs", format_bytes(profile.cudagraph_bytes), "reserved memory grown by capture"),
+            ]
+        rows += [
+            ("KV cache", format_bytes(self.kv_cache_config.total_bytes), f"what remains ({profile.budget_source})"),
+            ("engine budget", format_bytes(profile.total_budget_bytes), "the sum the knobs allow"),
+            ("KV blocks", str(self.num_blocks), f"{self.kv_cache_config.block_size} tokens each, incl. null block"),
+            ("token capacity", str(self.token_capacity), "tokens of KV the cache can hold"),
+            (
+                "max concurrency",
+                f"{self.max_concurrency:.2f}x",
+                f"requests of max_model_len={self.max_model_len} at once",
+            ),
+        ]
+        return rows
+
+
+def memory_table(report: MemoryReport) -> Table:
+    """The report as a rich table."""
+    table = Table(title=f"Memory profile ({report.profile.device}, profiling pass {report.profile.profile_seconds:.2f} s)")
+    table.add_column("item")
+    table.add_column("size", justify="right")
+    table.add_column("how")
+    for row in report.rows():
+        table.add_row(*row)
+    return table
+
+
+def render_memory_table(report: MemoryReport, width: int = 140) -> str:
+    """The table as plain text, for a log line."""
+    console = Console(width=width, record=True, file=None, force_terminal=False, color_system=None)
+    with console.capture() as capture:
+        console.print(memory_table(report))
+    return capture.get()

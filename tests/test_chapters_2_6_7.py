@@ -1,0 +1,49 @@
+"""The chapter 2, 6 and 7 walkthroughs run end to end on a tiny model and show what they claim."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chapters import ch02_batching, ch06_construction, ch07_generate
+
+
+def test_ch02_measures_every_batch_size_and_the_crossovers(
+    tiny_llama: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plot = tmp_path / "ch02.png"
+    result = ch02_batching.main(
+        ["--model", tiny_llama, "--batch-sizes", "1,4", "--steps", "3", "--prompt-len", "8", "--plot", str(plot)]
+    )
+    assert [p.batch_size for p in result.points] == [1, 4]
+    assert all(p.step_ms > 0 and p.tok_per_s > 0 for p in result.points)
+    assert result.roofline.gflops > 0 and result.bandwidth_gb_s > 0
+    # H200 bf16: 989e12 * 2 / (2 * 4.8e12) ~ 206 requests before decode is compute-bound.
+    assert round(result.gpu_crossover_batch) == 206
+    assert result.plot_path == str(plot) and plot.exists()
+    assert "Memory-bound or compute-bound" in capsys.readouterr().out
+
+
+def test_ch06_breakdown_knobs_and_too_small_error(tiny_llama: str, capsys: pytest.CaptureFixture[str]) -> None:
+    result = ch06_construction.main(["--model", tiny_llama, "--max-model-len", "128", "--max-num-batched-tokens", "128"])
+    assert list(result.timings)[:3] == ["init_device + load_model", "determine_available_memory", "initialize_from_config"]
+    assert result.num_blocks > 1 and result.max_concurrency > 1
+    blocks = [row[2] for row in result.cpu_rows]
+    assert blocks == sorted(blocks) and blocks[0] < blocks[-1]  # a larger fraction buys more blocks
+    assert result.rebuilt_blocks == result.predicted_blocks  # the table predicts a real engine
+    assert "bytes missing" in result.too_small_message and "Memory profile: weights" in result.too_small_message
+    out = capsys.readouterr().out
+    assert "peak activations" in out and "max concurrency" in out and "H200" in out
+
+
+def test_ch07_steps_dispatcher_and_padded_graph_path(tiny_llama: str, capsys: pytest.CaptureFixture[str]) -> None:
+    result = ch07_generate.main(["--model", tiny_llama, "--max-tokens", "3", "--steps", "2", "--max-num-seqs", "8"])
+    first = result.steps[0]
+    assert sorted(first.num_scheduled) == ["req-0", "req-1", "req-2"] and len(first.input_ids) > 3
+    decodes = [s for s in result.steps if s.num_scheduled and set(s.num_scheduled.values()) == {1}]
+    assert decodes and all(len(s.sampled) == len(s.num_scheduled) for s in decodes)
+    assert result.decisions["3 decodes"] == len(decodes)
+    assert result.padded_size == 4 and result.padded_max_abs_diff < 1e-4
+    out = capsys.readouterr().out
+    assert "attention metadata" in out and "padded to the graph of 4" in out

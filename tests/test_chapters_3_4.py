@@ -1,0 +1,41 @@
+"""The chapter 3 and 4 walkthroughs run end to end on a tiny model and show what they claim."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chapters import ch03_scheduler, ch04_kv_cache
+
+
+def test_ch03_budget_chunks_mixing_and_priority(tiny_llama: str, capsys: pytest.CaptureFixture[str]) -> None:
+    result = ch03_scheduler.main(
+        ["--model", tiny_llama, "--max-num-batched-tokens", "32", "--block-size", "8"]
+    )
+    # The short request took 8 tokens of step 0; each later step spends 1 on its decode.
+    assert sum(result.chunk_sizes) == result.long_prompt_len == 3 * 32 + 16
+    assert result.chunk_sizes[0] == 32 - 8 and max(result.chunk_sizes) <= 32
+    assert len(result.chunk_sizes) >= 4 and result.mixed_steps >= 2
+    assert result.priority_preemptions == [("low", "urgent")]
+    assert result.finish_order == ["urgent", "low"]
+    out = capsys.readouterr().out
+    assert "chunks" in out and "priority" in out and "low:P0-29" in out
+
+
+def test_ch04_sharing_preemption_and_lru(
+    tiny_llama: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    timeline = tmp_path / "ch04_timeline.png"
+    result = ch04_kv_cache.main(["--model", tiny_llama, "--timeline", str(timeline), "--block-size", "8"])
+    assert len(result.shared_block_ids) == 3  # the 3-block system prompt, held by both tables
+    assert result.prefix_hit_rate > 0.4
+    assert result.num_preemptions >= 1
+    assert result.resume_hit_tokens > 0  # the prefix cache spared part of the recompute
+    # LRU: the unrelated request evicted the first request's *last* full block only.
+    assert result.evicted_block_ids == result.free_queue_head[:1]
+    assert result.rerun_hit_tokens == 2 * 8
+    assert sorted(Path(p).suffix for p in result.timeline_paths) == [".png", ".svg"]
+    assert timeline.exists() and timeline.with_suffix(".svg").exists()
+    out = capsys.readouterr().out
+    assert "block table of request 'a'" in out and "preemption" in out and "hit rate" in out

@@ -1,0 +1,149 @@
+"""The graded exercises stay honest: current stubs, a page each, graders that bite.
+
+In CI (the default), for every exercise the reference passes its grader and the
+generated stub fails every one of its checks -- so no check passes vacuously.
+With ``NANOENGINE_STUDENT=1`` the same tests grade the student's code in
+``chapters/exercises/`` instead (``-m exercise_4_1`` selects one exercise).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import yaml
+
+from chapters.exercises import REPO_ROOT, find_exercises
+from chapters.grade import grade, reference_function, student_function, swapped_in
+from chapters.grade_checks import CHECKS
+
+STUDENT = os.environ.get("NANOENGINE_STUDENT") == "1"
+EXERCISES = find_exercises()
+# The exercises the course promises; more may be added, none may disappear.
+REQUIRED = {"1.1", "3.1", "3.2", "4.1", "4.2", "4.3", "5.1", "5.2", "6.1", "7.1"}
+
+
+def _load_generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("make_exercises", REPO_ROOT / "scripts" / "make_exercises.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _nav_pages() -> set[str]:
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    # mkdocs.yml names a Python function with a !!python/name tag; any value will do here.
+    _Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
+    config = yaml.load((REPO_ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=_Loader)
+    found: set[str] = set()
+
+    def walk(item: object) -> None:
+        if isinstance(item, str):
+            found.add(item)
+        elif isinstance(item, list):
+            for element in item:
+                walk(element)
+        elif isinstance(item, dict):
+            for value in item.values():
+                walk(value)
+
+    walk(config["nav"])
+    return found
+
+
+def test_required_exercises_are_marked() -> None:
+    assert REQUIRED <= set(EXERCISES), f"missing: {sorted(REQUIRED - set(EXERCISES))}"
+
+
+def test_stubs_are_current() -> None:
+    problems = _load_generator().check()
+    assert problems == [], "run `python scripts/make_exercises.py`: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
+def test_exercise_has_page_checks_and_marker(exercise_id: str, pytestconfig: pytest.Config) -> None:
+    exercise = EXERCISES[exercise_id]
+    page = REPO_ROOT / exercise.docs_page
+    assert page.is_file(), f"{exercise.docs_page} is missing"
+    assert f'{{{{ grader_checks("{exercise_id}") }}}}' in page.read_text(encoding="utf-8")
+    assert f"exercises/{exercise_id}.md" in _nav_pages(), "the page is not in the mkdocs nav"
+    assert CHECKS.get(exercise_id), "no checks in chapters/grade_checks.py"
+    registered = {line.partition(":")[0] for line in pytestconfig.getini("markers")}
+    assert exercise.marker in registered
+
+
+@pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
+def test_stub_keeps_the_signature(exercise_id: str) -> None:
+    exercise = EXERCISES[exercise_id]
+    stub, reference = student_function(exercise), reference_function(exercise)
+    assert list(inspect.signature(stub).parameters) == list(inspect.signature(reference).parameters)
+    assert inspect.getdoc(stub) == inspect.getdoc(reference)
+    if not STUDENT:  # in student mode the stub is the student's work
+        with pytest.raises(NotImplementedError, match=f"Exercise {exercise_id}: see docs/exercises/{exercise_id}"):
+            stub(*[None] * len(inspect.signature(stub).parameters))
+
+
+def test_swap_is_undone_afterwards() -> None:
+    import nanoengine.core.kv_cache_sizing as sizing
+    import nanoengine.request as request_module
+
+    function_ex, method_ex = EXERCISES["6.1"], EXERCISES["5.1"]
+    original_function = sizing.num_blocks_from_budget
+    original_method = vars(request_module.RequestStatus)["is_finished"]
+    with swapped_in(function_ex, student_function(function_ex)):
+        assert sizing.num_blocks_from_budget is student_function(function_ex)
+    with swapped_in(method_ex, student_function(method_ex)), pytest.raises(NotImplementedError):
+        request_module.RequestStatus.is_finished(request_module.RequestStatus.RUNNING)
+    assert sizing.num_blocks_from_budget is original_function
+    assert vars(request_module.RequestStatus)["is_finished"] is original_method
+
+
+def _graded(exercise_id: str) -> list[object]:
+    return [pytest.param(exercise_id, marks=getattr(pytest.mark, EXERCISES[exercise_id].marker))]
+
+
+@pytest.mark.parametrize("exercise_id", [p for e in sorted(EXERCISES) for p in _graded(e)])
+def test_grader(exercise_id: str, tiny_llama: str) -> None:
+    exercise = EXERCISES[exercise_id]
+    if STUDENT:
+        results = grade(exercise_id, student_function(exercise), tiny_llama)
+        failed = [f"{r.name}: {r.detail}" for r in results if not r.passed]
+        assert not failed, f"Exercise {exercise_id} is not solved yet:\n" + "\n".join(failed)
+        return
+    reference = grade(exercise_id, reference_function(exercise), tiny_llama)
+    assert all(r.passed for r in reference), [(r.name, r.detail) for r in reference if not r.passed]
+    stub = grade(exercise_id, student_function(exercise), tiny_llama)
+    vacuous = [r.name for r in stub if r.passed or "NotImplementedError" not in r.detail]
+    assert not vacuous, f"these checks do not catch an unwritten {exercise.qualname}: {vacuous}"
+
+
+def test_grade_cli_reports_pass_and_fail(tiny_llama: str, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import chapters.grade
+
+    assert chapters.grade.main(["6.1", "--model", tiny_llama, "--reference"]) == 0
+    # A wrong answer: every budget buys one block too many.
+    monkeypatch.setattr(chapters.grade, "student_function",
+                        lambda exercise: lambda available_bytes, spec: available_bytes // spec.page_size_bytes + 1)
+    assert chapters.grade.main(["6.1", "--model", tiny_llama]) == 1
+    out = capsys.readouterr().out
+    assert "Exercise 6.1: PASS" in out and "Exercise 6.1: FAIL" in out and "[FAIL] blocks from a byte budget" in out
+
+
+def test_generator_refuses_two_functions_in_one_region(tmp_path: Path) -> None:
+    from chapters.exercises import _exercises_in
+
+    bad = tmp_path / "bad_exercise.py"
+    bad.write_text("# BEGIN EXERCISE 9.9\ndef a() -> None:\n    pass\n\n\ndef b() -> None:\n    pass\n"
+                   "# END EXERCISE 9.9\n")
+    with pytest.raises(ValueError, match="exactly one function"):
+        _exercises_in(bad)

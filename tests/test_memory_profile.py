@@ -1,0 +1,71 @@
+"""Chapter 6's memory profile: what is measured on CPU, what the engine keeps, what it says.
+
+The profiling pass's peak is measured from the process's peak RSS on CPU; the
+engine keeps the breakdown as ``engine_core.memory_report`` and logs it only at
+INFO level, so LLM construction stays quiet by default.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from nanoengine import LLM
+from nanoengine.attention.selector import resolve_backend_name
+from nanoengine.worker.memory_probe import PeakMemoryProbe
+from nanoengine.worker.memory_report import render_memory_table
+
+
+def test_cpu_probe_sees_a_large_temporary_allocation() -> None:
+    with PeakMemoryProbe(torch.device("cpu")) as probe:
+        block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, every page touched
+        del block
+    assert probe.peak_growth_bytes >= 60 << 20
+    assert "RSS" in probe.method
+
+
+def test_engine_keeps_the_breakdown_and_is_quiet_by_default(
+    tiny_llama: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(tiny_llama, max_model_len=128, max_num_batched_tokens=256, kv_cache_memory_bytes=4 << 20)
+    assert not caplog.records
+    core = llm.llm_engine.engine_core.engine_core
+    report = core.memory_report
+    assert report is not None and report.profile.device == "cpu"
+    profile = report.profile
+    assert profile.weights_bytes == sum(p.numel() * 4 for p in core.model_executor.driver_worker.model_runner.model.parameters())
+    assert profile.peak_activation_bytes >= 0 and profile.kv_cache_bytes == 4 << 20
+    assert profile.total_budget_bytes == profile.weights_bytes + profile.peak_activation_bytes + (4 << 20)
+    assert report.num_blocks == core.kv_cache_config.num_blocks
+    assert report.token_capacity == (report.num_blocks - 1) * report.kv_cache_config.block_size
+    assert report.max_concurrency == pytest.approx((report.num_blocks - 1) / (128 // 16))
+    assert list(core.startup_timings)[-1] == "compile_or_warm_up_model"
+    text = render_memory_table(report)
+    assert "peak activations" in text and "max concurrency" in text and "CUDA graphs" not in text
+
+
+def test_memory_table_is_logged_at_info(tiny_llama: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="nanoengine.engine.core"):
+        LLM(tiny_llama, max_model_len=128, max_num_batched_tokens=128, kv_cache_memory_bytes=2 << 20)
+    assert any("Memory profile (cpu" in r.getMessage() for r in caplog.records)
+
+
+def test_too_small_budget_names_the_missing_bytes_and_the_profile(tiny_llama: str) -> None:
+    with pytest.raises(ValueError, match="bytes missing") as err:
+        LLM(tiny_llama, max_model_len=256, max_num_batched_tokens=256, kv_cache_memory_bytes=1024)
+    message = str(err.value)
+    assert "kv_cache_memory_bytes" in message and "Memory profile: weights" in message
+
+
+def test_backend_choice_and_bad_values(tiny_llama: str) -> None:
+    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend_name("triton", torch.device("cpu")) == "triton"
+    with pytest.raises(ValueError, match="attention_backend"):
+        resolve_backend_name("flash", torch.device("cpu"))
+    with pytest.raises(ValueError, match="attention_backend must be"):
+        LLM(tiny_llama, attention_backend="flash")
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
+        LLM(tiny_llama, cudagraph_capture_sizes=[0, 4])
