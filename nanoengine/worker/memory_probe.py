@@ -12,7 +12,9 @@ measured, not guessed.
   (``VmHWM`` in ``/proc/self/status``) and lets a process reset it (write ``5``
   to ``/proc/self/clear_refs``). Reset, run, read: the growth of the high-water
   mark over the resident size before the pass is the pass's peak, counted in
-  pages really touched (all of glibc's and torch's scratch included). Where the
+  pages really touched (all of glibc's and torch's scratch included). It is a
+  lower bound: scratch memory served from pages the process already had
+  resident (freed earlier, kept by glibc) does not raise the mark. Where the
   reset is not allowed, the growth of the lifetime peak is reported instead (an
   underestimate when an earlier phase peaked higher), and the method says so.
 
