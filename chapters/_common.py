@@ -13,7 +13,7 @@ from rich.table import Table
 
 from nanoengine import LLM
 from nanoengine.core.kv_cache_manager import KVCacheManager
-from nanoengine.core.kv_cache_sizing import max_concurrency
+from nanoengine.core.kv_cache_sizing import format_bytes, max_concurrency
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.engine.core import EngineCore
 from nanoengine.utils.component_tree import code_location
@@ -81,7 +81,7 @@ def construction_table(llm: LLM) -> Table:
     max_len = core.engine_config.model_config.max_model_len
     table.caption = (
         f"=> KV cache: {kv.num_blocks} blocks x {kv.block_size} tokens = {kv.num_blocks * kv.block_size} tokens "
-        f"({kv.total_bytes / 2**20:.0f} MiB); {max_concurrency(kv, max_len):.1f} requests of "
+        f"({format_bytes(kv.total_bytes)}); {max_concurrency(kv, max_len):.1f} requests of "
         f"max_model_len={max_len} fit at once"
     )
     return table

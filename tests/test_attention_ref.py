@@ -114,16 +114,36 @@ def garbage_cache(num_kv_heads: int) -> torch.Tensor:
     return torch.randn(shape, generator=generator) * 1e3
 
 
-def run_step(seqs: list[Sequence], steps: list[tuple[int, int]], kv_cache: torch.Tensor) -> None:
-    """Schedule (request index, num_new) pairs as one batch and check every output row."""
+@dataclass
+class StepBatch:
+    """One scheduled batch: the chosen sequences, their new-token counts, metadata and q/k/v."""
+
+    chosen: list[Sequence]
+    num_new: list[int]
+    md: AttentionMetadata
+    q: torch.Tensor  # [num_tokens, Hq, D]
+    k: torch.Tensor  # [num_tokens, Hkv, D]
+    v: torch.Tensor
+
+
+def step_batch(seqs: list[Sequence], steps: list[tuple[int, int]]) -> StepBatch:
+    """Flatten (request index, num_new) pairs into one batch, as the model runner would."""
     chosen = [seqs[i] for i, _ in steps]
     num_new = [n for _, n in steps]
     md = make_attn_metadata([s.computed for s in chosen], num_new, [s.blocks for s in chosen], BLOCK_SIZE)
-    q = torch.cat([s.q[s.computed : s.computed + n] for s, n in zip(chosen, num_new)])
-    k = torch.cat([s.k[s.computed : s.computed + n] for s, n in zip(chosen, num_new)])
-    v = torch.cat([s.v[s.computed : s.computed + n] for s, n in zip(chosen, num_new)])
+
+    def rows(field: str) -> torch.Tensor:
+        return torch.cat([getattr(s, field)[s.computed : s.computed + n] for s, n in zip(chosen, num_new)])
+
+    return StepBatch(chosen, num_new, md, rows("q"), rows("k"), rows("v"))
+
+
+def run_step(seqs: list[Sequence], steps: list[tuple[int, int]], kv_cache: torch.Tensor) -> None:
+    """Schedule (request index, num_new) pairs as one batch and check every output row."""
+    batch = step_batch(seqs, steps)
+    chosen, num_new, md = batch.chosen, batch.num_new, batch.md
     scale = HEAD_DIM**-0.5
-    out = TorchRefAttentionImpl().forward(q, k, v, kv_cache, md, scale)
+    out = TorchRefAttentionImpl().forward(batch.q, batch.k, batch.v, kv_cache, md, scale)
     assert not out.isnan().any()
     for row, (s, n) in enumerate(zip(chosen, num_new)):
         got = out[md.query_start_loc_cpu[row] : md.query_start_loc_cpu[row + 1]]

@@ -15,12 +15,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 from test_attention_ref import (
-    BLOCK_SIZE,
     HEAD_DIM,
     dense_reference,
     garbage_cache,
-    make_attn_metadata,
     make_sequences,
+    step_batch,
 )
 
 from nanoengine.attention.backends.torch_ref import TorchRefAttentionImpl
@@ -30,15 +29,11 @@ from nanoengine.attention.backends.triton_kernels import paged_attention, reshap
 
 def run_both(seqs, steps, caches):  # type: ignore[no-untyped-def]
     """One batch through both backends (each on its own cache copy); returns outputs."""
-    chosen = [seqs[i] for i, _ in steps]
-    num_new = [n for _, n in steps]
-    md = make_attn_metadata([s.computed for s in chosen], num_new, [s.blocks for s in chosen], BLOCK_SIZE)
-    q = torch.cat([s.q[s.computed : s.computed + n] for s, n in zip(chosen, num_new)])
-    k = torch.cat([s.k[s.computed : s.computed + n] for s, n in zip(chosen, num_new)])
-    v = torch.cat([s.v[s.computed : s.computed + n] for s, n in zip(chosen, num_new)])
+    batch = step_batch(seqs, steps)
+    chosen, num_new, md = batch.chosen, batch.num_new, batch.md
     scale = HEAD_DIM**-0.5
-    ref = TorchRefAttentionImpl().forward(q, k, v, caches[0], md, scale)
-    got = TritonAttentionImpl().forward(q, k, v, caches[1], md, scale)
+    ref = TorchRefAttentionImpl().forward(batch.q, batch.k, batch.v, caches[0], md, scale)
+    got = TritonAttentionImpl().forward(batch.q, batch.k, batch.v, caches[1], md, scale)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
     for row, (s, n) in enumerate(zip(chosen, num_new)):

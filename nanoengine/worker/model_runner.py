@@ -24,6 +24,7 @@ import torch
 from nanoengine.attention.layer import bind_kv_cache, set_attention_impl
 from nanoengine.attention.selector import get_attention_impl, resolve_backend_name
 from nanoengine.config import EngineConfig
+from nanoengine.core.kv_cache_sizing import cdiv
 from nanoengine.core.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     GrammarOutput,
@@ -94,7 +95,7 @@ class ModelRunner(TreeNode):
         # Triton backend, unless enforce_eager. The dispatcher exists either way
         # so every step records its decision (chapter 7 prints them on a CPU).
         sched = engine_config.scheduler_config
-        self.max_blocks_per_req = -(-sched.max_model_len // self.block_size)
+        self.max_blocks_per_req = cdiv(sched.max_model_len, self.block_size)
         self.dispatcher = CudagraphDispatcher(
             self.model_config.cudagraph_capture_sizes or default_capture_sizes(sched.max_num_seqs),
             self.max_blocks_per_req,
@@ -171,7 +172,7 @@ class ModelRunner(TreeNode):
         states: list[CachedRequestState] = []
         next_block = 0
         for i, length in enumerate(lengths):
-            num_blocks = -(-length // self.block_size)
+            num_blocks = cdiv(length, self.block_size)
             states.append(
                 CachedRequestState(
                     req_id=f"profile-{i}",

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoengine.attention.backends.abstract import AttentionMetadata
+from nanoengine.core.kv_cache_sizing import cdiv
 
 
 def write_to_kv_cache(
@@ -101,7 +102,7 @@ class TorchRefAttentionImpl:
         block_size = kv_cache.shape[2]
         seq_lens = md.seq_lens[:num_decodes].long()  # [num_decodes]
         max_len = max(md.seq_lens_cpu[:num_decodes])
-        num_blocks = -(-max_len // block_size)
+        num_blocks = cdiv(max_len, block_size)
         block_ids = md.block_table[:num_decodes, :num_blocks]  # [num_decodes, num_blocks]
         # [num_decodes, max_len, Hkv, D]: each row padded to the longest request
         keys = gather_kv(kv_cache[0], block_ids)[:, :max_len]
@@ -126,7 +127,7 @@ class TorchRefAttentionImpl:
         seq_len = md.seq_lens_cpu[req]
         num_context = seq_len - q_len  # tokens cached by earlier steps (or a prefix hit)
         block_size = kv_cache.shape[2]
-        block_ids = md.block_table[req, : -(-seq_len // block_size)]
+        block_ids = md.block_table[req, : cdiv(seq_len, block_size)]
         # [seq_len, Hkv, D]; every position here was written, this step or before
         keys = gather_kv(kv_cache[0], block_ids)[:seq_len]
         values = gather_kv(kv_cache[1], block_ids)[:seq_len]
