@@ -30,6 +30,7 @@ from chapters._common import base_parser, console
 from chapters.roofline_math import (
     Roofline,
     attention_flops,
+    describe_matmul_paths,
     matmul_flops_per_token,
     measure_gemm_roofline,
     measure_memory_bandwidth,
@@ -135,7 +136,10 @@ def main(argv: list[str] | None = None) -> Ch02Result:
     console.rule("1. The machine's limits")
     roofline = measure_gemm_roofline()
     bandwidth = measure_memory_bandwidth()
-    console.print(f"fp32 GEMM roofline {roofline.gflops:.1f} GFLOP/s; copy bandwidth {bandwidth:.1f} GB/s")
+    console.print(
+        f"fp32 GEMM roofline {roofline.gflops:.1f} GFLOP/s ({describe_matmul_paths(roofline)}); "
+        f"copy bandwidth {bandwidth:.1f} GB/s"
+    )
 
     llm = LLM(args.model, max_num_seqs=max(sizes), max_model_len=args.prompt_len + args.steps + 8,
               enable_prefix_caching=False)

@@ -11,7 +11,10 @@ hand, the way ``EngineCore.step`` does, and prints what travels at each stage:
 5. the CUDA-graph dispatcher's choice for every step of a real run, then one
    decode step padded to its graph size and run eagerly through the Triton
    backend (in Triton's interpreter on a CPU) -- the exact code path up to the
-   replay -- with the real rows' logits compared to the unpadded step.
+   replay -- with the real rows' logits compared to the unpadded step;
+6. the same prompts with ``async_scheduling=True``: how many steps were
+   scheduled while the step before was still running, and whether the tokens
+   are the same.
 
     python -m chapters.ch07_generate [--model DIR] [--steps N] [--skip-graph-sim]
 """
@@ -58,6 +61,9 @@ class Ch07Result:
     decisions: Counter[str]  # reason prefix -> steps
     padded_size: int
     padded_max_abs_diff: float  # real rows' logits, padded vs unpadded step
+    async_steps: int  # LLMEngine.step() calls of the async-scheduling run
+    async_overlapped: int  # of those, steps scheduled while the previous one still ran
+    async_same_tokens: bool  # async scheduling generated exactly the synchronous tokens
 
 
 def _parts(llm: LLM) -> tuple[EngineCore, ModelRunner]:
@@ -148,14 +154,46 @@ def simulate_graph_step(llm: LLM, runner: ModelRunner, max_num_seqs: int) -> tup
     return decision.padded_batch_size, diff
 
 
+def compare_async(model: str, llm_kwargs: dict[str, int], params: SamplingParams) -> tuple[int, int, bool]:
+    """Generate ``PROMPTS`` with and without async scheduling, one step at a time.
+
+    Returns (async steps, of which overlapped, same tokens). A step overlaps
+    when its ``schedule()`` runs while the step before is still in the batch
+    queue, i.e. before that step's tokens are known.
+    """
+    tokens: dict[bool, dict[str, list[int]]] = {}
+    num_steps = num_overlapped = 0
+    for async_scheduling in (False, True):
+        llm = LLM(model, async_scheduling=async_scheduling, **llm_kwargs)
+        engine, core = llm.llm_engine, _parts(llm)[0]
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_rendered_request(f"req-{i}", engine.renderer.render_prompt(prompt), params)
+        tokens[async_scheduling] = {}
+        while engine.has_unfinished_requests():
+            if async_scheduling:
+                num_steps += 1
+                num_overlapped += bool(core.batch_queue) and core.scheduler.has_requests()
+            for out in engine.step():
+                if out.finished:
+                    tokens[async_scheduling][out.request_id] = out.outputs[0].token_ids
+        engine.shutdown()
+    same = tokens[True] == tokens[False]
+    console.print(
+        f"async scheduling: {num_steps} steps, {num_overlapped} scheduled while the previous step ran; "
+        f"tokens identical to the synchronous loop: {same}"
+    )
+    return num_steps, num_overlapped, same
+
+
 def main(argv: list[str] | None = None) -> Ch07Result:
     parser = base_parser(__doc__ or "")
     parser.add_argument("--steps", type=int, default=3, help="steps printed stage by stage")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--skip-graph-sim", action="store_true", help="skip the Triton-interpreter step")
     args = parser.parse_args(argv)
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_model_len=512, max_num_batched_tokens=64,
-              kv_cache_memory_bytes=64 << 20)
+    llm_kwargs = {"max_num_seqs": args.max_num_seqs, "max_model_len": 512, "max_num_batched_tokens": 64,
+                  "kv_cache_memory_bytes": 64 << 20}
+    llm = LLM(args.model, **llm_kwargs)
     core, runner = _parts(llm)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
@@ -182,7 +220,13 @@ def main(argv: list[str] | None = None) -> Ch07Result:
     if not args.skip_graph_sim:
         console.rule("The path up to replay: pad a decode step, run it with the Triton backend")
         padded_size, diff = simulate_graph_step(llm, runner, args.max_num_seqs)
-    return Ch07Result(steps=steps, decisions=decisions, padded_size=padded_size, padded_max_abs_diff=diff)
+
+    console.rule("6. Async scheduling: step N+1 is scheduled while step N runs")
+    async_steps, overlapped, same = compare_async(args.model, llm_kwargs, params)
+    return Ch07Result(
+        steps=steps, decisions=decisions, padded_size=padded_size, padded_max_abs_diff=diff,
+        async_steps=async_steps, async_overlapped=overlapped, async_same_tokens=same,
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,11 @@ class ModelConfig:
     max_model_len: int
     dtype: str = "float32"
     seed: int = 0
-    # Chapter 7: "auto" picks Triton on CUDA and the torch reference on CPU.
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # Chapter 7: "auto" picks Triton on CUDA and the C++ kernels ("cpu") on a CPU;
+    # "cpu" also switches RMSNorm, RoPE and SiLU-and-mul to their C++ kernels.
+    attention_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
+    # Chapter 7: "auto" prepacks the linear weights for oneDNN on a CPU, else F.linear.
+    linear_backend: Literal["auto", "torch", "onednn"] = "auto"
     # Chapter 7: True keeps every step eager (no CUDA graphs).
     enforce_eager: bool = False
     # Decode batch sizes captured as CUDA graphs; None = the default ladder.
@@ -83,6 +86,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
+    # Chapter 7: schedule step N+1 while step N runs (AsyncScheduler and
+    # EngineCore.step_with_batch_queue); the synchronous loop is the default.
+    async_scheduling: bool = False
 
 
 @dataclass

@@ -119,6 +119,10 @@ class Request:
         # prompt + outputs in one list: the model runner and hasher read it often.
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling (chapter 7): tokens being sampled by steps still in
+        # flight. They count as computed already, but their ids are unknown
+        # until the step's output arrives; always 0 with the synchronous loop.
+        self.num_output_placeholders = 0
         # Prompt tokens served by the prefix cache on first schedule (-1 = not yet known).
         self.num_cached_tokens = -1
         self.num_preemptions = 0

@@ -38,7 +38,7 @@ from bench_vllm import DEFAULT_VLLM_PYTHON, VLLMSystem
 from rich.console import Console
 from rich.table import Table
 
-from chapters.roofline_math import extras_table, measure_gemm_roofline, workload_flops
+from chapters.roofline_math import describe_matmul_paths, extras_table, measure_gemm_roofline, workload_flops
 from nanoengine import LLM, SamplingParams
 from nanoengine.renderers.hf import TokensPrompt
 from nanoengine.transformers_utils.config import DEFAULT_MODEL, get_hf_config, resolve_model_path
@@ -218,6 +218,7 @@ def build_systems(args: argparse.Namespace, model_path: str) -> tuple[list[Syste
         # Repeats send identical prompts; a prefix cache would serve repeat 2 from
         # repeat 1 and measure memory, not generation.
         "enable_prefix_caching": args.prefix_caching,
+        "async_scheduling": args.async_scheduling,
     }
     if not args.skip_engine:
         systems.append(EngineSystem(model_path, engine_kwargs))
@@ -280,6 +281,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--prefix-caching", action="store_true", help="enable the engine's prefix cache")
+    parser.add_argument(
+        "--async-scheduling", action="store_true", help="the engine schedules step N+1 while step N runs"
+    )
     parser.add_argument("--check-tokens", type=int, default=32, help="greedy tokens compared with HF")
     parser.add_argument("--skip-hf", action="store_true", help="benchmark the engine only")
     parser.add_argument("--skip-engine", action="store_true", help="benchmark HF only (baseline)")
@@ -316,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # The roofline first, on a machine not yet busy with any system.
     roofline = measure_gemm_roofline()
-    console.print(f"fp32 GEMM roofline: {roofline.gflops:.1f} GFLOP/s ({roofline.threads} threads)")
+    console.print(
+        f"fp32 GEMM roofline: {roofline.gflops:.1f} GFLOP/s ({roofline.threads} threads; "
+        f"{describe_matmul_paths(roofline)})"
+    )
     systems, engine_kwargs = build_systems(args, model_path)
     for system in systems:
         console.print(f"warming up {system.name} ...")
@@ -343,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             "results": [m.to_json() for m in results],
             "agreement": None if agree is None else asdict(agree),
             "roofline_gflops": roofline.gflops,
+            "roofline_paths": {"torch_mm": roofline.torch_mm_gflops, "onednn": roofline.onednn_gflops},
             "workload_gflop": gflop,
             "latencies": {f"{w}/{s}": v for (w, s), v in latencies.items()},
         }

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
-
 from tiny_models import make_tiny_model_dir
 
 # Two cores: let torch use both, and keep tokenizers from spawning its own pool.

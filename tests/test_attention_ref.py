@@ -17,7 +17,7 @@ from torch import nn
 
 from nanoengine.attention.backends.abstract import AttentionMetadata
 from nanoengine.attention.backends.torch_ref import TorchRefAttentionImpl
-from nanoengine.attention.layer import Attention, bind_kv_cache
+from nanoengine.attention.layer import Attention, AttentionImpl, bind_kv_cache
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
@@ -150,6 +150,25 @@ def run_step(seqs: list[Sequence], steps: list[tuple[int, int]], kv_cache: torch
         want = dense_reference(s, s.computed, s.computed + n, scale)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
         s.computed += n
+
+
+def run_against_reference(
+    fast: AttentionImpl, seqs: list[Sequence], steps: list[tuple[int, int]], caches: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """One batch through the reference (on caches[0]) and a fast backend (on
+    caches[1]): outputs, written caches and the dense answer must all agree."""
+    batch = step_batch(seqs, steps)
+    chosen, num_new, md = batch.chosen, batch.num_new, batch.md
+    scale = HEAD_DIM**-0.5
+    ref = TorchRefAttentionImpl().forward(batch.q, batch.k, batch.v, caches[0], md, scale)
+    got = fast.forward(batch.q, batch.k, batch.v, caches[1], md, scale)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
+    for row, (s, n) in enumerate(zip(chosen, num_new)):
+        rows = got[md.query_start_loc_cpu[row] : md.query_start_loc_cpu[row + 1]]
+        torch.testing.assert_close(rows, dense_reference(s, s.computed, s.computed + n, scale), atol=1e-5, rtol=1e-4)
+        s.computed += n
+    return got
 
 
 @pytest.fixture(autouse=True)

@@ -45,5 +45,7 @@ def test_ch07_steps_dispatcher_and_padded_graph_path(tiny_llama: str, capsys: py
     assert decodes and all(len(s.sampled) == len(s.num_scheduled) for s in decodes)
     assert result.decisions["3 decodes"] == len(decodes)
     assert result.padded_size == 4 and result.padded_max_abs_diff < 1e-4
+    assert result.async_same_tokens and 0 < result.async_overlapped < result.async_steps
     out = capsys.readouterr().out
     assert "attention metadata" in out and "padded to the graph of 4" in out
+    assert "scheduled while the previous step ran" in out

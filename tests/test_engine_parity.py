@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hf_reference import HFGreedy
 from transformers import AutoTokenizer
 
-from hf_reference import HFGreedy
 from nanoengine import LLM, SamplingParams
 
 # Engine settings for each scenario; the tiny cache forces preemption.

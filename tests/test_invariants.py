@@ -68,6 +68,14 @@ def _waiting_holds_blocks(s: Scheduler) -> None:
     )
 
 
+def _waiting_with_a_token_in_flight(s: Scheduler) -> None:
+    next(iter(s.waiting)).num_output_placeholders = 1
+
+
+def _negative_placeholders(s: Scheduler) -> None:
+    s.requests["a"].num_output_placeholders = -1
+
+
 CORRUPTIONS: dict[str, tuple[Callable[[Scheduler], None], str]] = {
     "ref_cnt": (_bump_ref_cnt, "ref_cnt"),
     "duplicate": (_duplicate_in_table, "holds a block twice"),
@@ -77,6 +85,8 @@ CORRUPTIONS: dict[str, tuple[Callable[[Scheduler], None], str]] = {
     "wrong_hash": (_wrong_hash_for_position, "not the request's"),
     "computed": (_computed_beyond_blocks, "holds only"),
     "waiting": (_waiting_holds_blocks, "waiting"),
+    "placeholder_waiting": (_waiting_with_a_token_in_flight, "in flight"),
+    "placeholder_negative": (_negative_placeholders, "output placeholders"),
 }
 
 

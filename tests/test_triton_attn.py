@@ -14,32 +14,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
-from test_attention_ref import (
-    HEAD_DIM,
-    dense_reference,
-    garbage_cache,
-    make_sequences,
-    step_batch,
-)
+from test_attention_ref import garbage_cache, make_sequences, run_against_reference
 
-from nanoengine.attention.backends.torch_ref import TorchRefAttentionImpl
 from nanoengine.attention.backends.triton_attn import TritonAttentionImpl, token_to_request
 from nanoengine.attention.backends.triton_kernels import paged_attention, reshape_and_cache
 
 
 def run_both(seqs, steps, caches):  # type: ignore[no-untyped-def]
-    """One batch through both backends (each on its own cache copy); returns outputs."""
-    batch = step_batch(seqs, steps)
-    chosen, num_new, md = batch.chosen, batch.num_new, batch.md
-    scale = HEAD_DIM**-0.5
-    ref = TorchRefAttentionImpl().forward(batch.q, batch.k, batch.v, caches[0], md, scale)
-    got = TritonAttentionImpl().forward(batch.q, batch.k, batch.v, caches[1], md, scale)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
-    for row, (s, n) in enumerate(zip(chosen, num_new)):
-        rows = got[md.query_start_loc_cpu[row] : md.query_start_loc_cpu[row + 1]]
-        torch.testing.assert_close(rows, dense_reference(s, s.computed, s.computed + n, scale), atol=1e-5, rtol=1e-4)
-        s.computed += n
+    """One batch through the reference and the Triton backend (each on its own cache copy)."""
+    return run_against_reference(TritonAttentionImpl(), seqs, steps, caches)
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Pick the attention backend for a device: Triton on CUDA, the torch reference on CPU.
+"""Pick the attention backend for a device: Triton on CUDA, C++ kernels on a CPU.
 
 Chapter 7 (the model runner asks once, after loading the model, and hands every
 ``Attention`` layer the chosen implementation; the model code never changes).
@@ -11,10 +11,12 @@ from importlib.util import find_spec
 
 import torch
 
+from nanoengine._custom_ops import cpu_ops_available
+from nanoengine.attention.backends.cpu_attn import CPUAttentionImpl
 from nanoengine.attention.backends.torch_ref import TorchRefAttentionImpl
 from nanoengine.attention.layer import AttentionImpl
 
-BACKEND_NAMES = ("auto", "torch", "triton")
+BACKEND_NAMES = ("auto", "torch", "triton", "cpu")
 
 
 def triton_available() -> bool:
@@ -22,14 +24,24 @@ def triton_available() -> bool:
     return find_spec("triton") is not None
 
 
-def resolve_backend_name(requested: str, device: torch.device) -> str:
-    """"auto" becomes "triton" on CUDA when Triton is installed, else "torch"."""
+def resolve_backend_name(requested: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """"auto" becomes "triton" on CUDA when Triton is installed, "cpu" on a CPU
+    when the C++ kernels build (fp32 only), else the "torch" reference."""
     if requested not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {requested!r}.")
     if requested == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        use_cpu_kernels = device.type == "cpu" and dtype == torch.float32 and cpu_ops_available()
+        return "cpu" if use_cpu_kernels else "torch"
     if requested == "triton" and not triton_available():
         raise ValueError("attention_backend='triton' needs the triton package: pip install -e '.[triton]'.")
+    if requested == "cpu" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(
+            f"attention_backend='cpu' runs on a CPU in float32; got device={device.type}, dtype={dtype}."
+        )
+    if requested == "cpu" and not cpu_ops_available():
+        raise ValueError("attention_backend='cpu' needs the C++ kernels, which failed to build (see the warning).")
     return requested
 
 
@@ -41,4 +53,6 @@ def get_attention_impl(name: str) -> AttentionImpl:
         from nanoengine.attention.backends.triton_attn import TritonAttentionImpl
 
         return TritonAttentionImpl()
+    if name == "cpu":
+        return CPUAttentionImpl()
     return TorchRefAttentionImpl()

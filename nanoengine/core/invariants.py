@@ -15,7 +15,11 @@ the bookkeeping must guarantee after every step:
   every hashed block is in the map under its hash), and a cached block in a
   table carries that request's own hash for that position;
 * running requests hold blocks for all their computed tokens; waiting and
-  finished ones hold none; an idle engine holds no block at all.
+  finished ones hold none; an idle engine holds no block at all;
+* async scheduling's output placeholders (chapter 7) are never negative, and a
+  waiting request has none left once a step's output is in: a request is only
+  preempted while at most the step before is in flight, and that step's update
+  delivers its token before the next ``schedule()`` could re-admit it.
 
 ``check_invariants(scheduler)`` runs them all; the engine calls it after each
 step when ``check_invariants=True`` (or ``NANOENGINE_CHECK_INVARIANTS=1``), and
@@ -128,6 +132,11 @@ def check_scheduler(scheduler: Scheduler) -> None:
         _require(
             request.status == RequestStatus.RUNNING, f"{request.request_id!r} in running is {request.status}"
         )
+        _require(
+            request.num_output_placeholders >= 0,
+            f"running {request.request_id!r} has {request.num_output_placeholders} output placeholders",
+        )
+        # Placeholders count as computed: their slots are covered here too.
         blocks = tables.get(request.request_id, [])
         needed = cdiv(min(request.num_computed_tokens, scheduler.max_model_len), manager.block_size)
         _require(
@@ -145,6 +154,10 @@ def check_scheduler(scheduler: Scheduler) -> None:
     for request in scheduler.waiting:
         _require(request.request_id not in running_ids, f"{request.request_id!r} is both waiting and running")
         _require(not request.is_finished(), f"finished {request.request_id!r} is still waiting")
+        _require(
+            request.num_output_placeholders == 0,
+            f"waiting {request.request_id!r} expects {request.num_output_placeholders} token(s) in flight",
+        )
         # Only a request that keeps KV while it waits (a parked stream, a remote
         # KV load; chapter 5) holds blocks in the waiting queue.
         _require(

@@ -13,7 +13,6 @@ from __future__ import annotations
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 
-
 def format_bytes(num_bytes: int) -> str:
     """Human-sized units, so a tiny test budget does not read as "0.000 GiB"."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):

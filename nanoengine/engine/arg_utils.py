@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from nanoengine.attention.selector import BACKEND_NAMES
 from nanoengine.config import (
     CacheConfig,
     DeviceConfig,
@@ -21,6 +22,7 @@ from nanoengine.config import (
     ObservabilityConfig,
     SchedulerConfig,
 )
+from nanoengine.model_executor.layers.cpu_linear import LINEAR_BACKENDS
 from nanoengine.model_executor.models.registry import get_model_class
 from nanoengine.transformers_utils.config import get_hf_config, resolve_model_path
 
@@ -49,8 +51,11 @@ class EngineArgs:
     cpu_kv_cache_fraction: float = 0.1
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
+    linear_backend: Literal["auto", "torch", "onednn"] = "auto"
     cudagraph_capture_sizes: list[int] | None = None
+    # Chapter 7: overlap the next step's scheduling with this step's forward pass.
+    async_scheduling: bool = False
     # Chapters 3-4: record a StepTrace per step (llm.trace); check the KV cache
     # and scheduler invariants after every step. The environment variables
     # NANOENGINE_TRACE=1 / NANOENGINE_CHECK_INVARIANTS=1 turn them on too.
@@ -92,6 +97,7 @@ class EngineArgs:
             dtype=_resolve_dtype(self.dtype, device),
             seed=self.seed,
             attention_backend=self.attention_backend,
+            linear_backend=self.linear_backend,
             enforce_eager=self.enforce_eager,
             cudagraph_capture_sizes=self.cudagraph_capture_sizes,
         )
@@ -130,6 +136,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
+            async_scheduling=self.async_scheduling,
         )
 
     def _verify_args(self) -> None:
@@ -150,10 +157,10 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if not 0.0 < self.cpu_kv_cache_fraction <= 1.0:
             raise ValueError(f"cpu_kv_cache_fraction must be in (0, 1], got {self.cpu_kv_cache_fraction}.")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(
-                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}."
-            )
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {self.attention_backend!r}.")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}.")
         sizes = self.cudagraph_capture_sizes
         if sizes is not None and (not sizes or any(not isinstance(n, int) or n < 1 for n in sizes)):
             raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of positive ints, got {sizes!r}.")
@@ -163,6 +170,10 @@ class EngineArgs:
             # The connector names stored blocks by their prefix hashes, which
             # only exist when prefix caching computes them.
             raise ValueError("kv_transfer_config needs enable_prefix_caching=True (blocks are keyed by hash).")
+        if self.async_scheduling and (self.trace or _env_flag("NANOENGINE_TRACE")):
+            # A StepTrace records one step from schedule to update; with async
+            # scheduling the next step is scheduled before this one's update.
+            raise ValueError("trace=True (or NANOENGINE_TRACE=1) does not work with async_scheduling=True.")
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size must be 1 (nanoengine runs on one device), got {self.tensor_parallel_size}."

@@ -3,9 +3,10 @@
 Chapter 5 (engine skeleton) is about this class: it owns the three members of
 the seed note's map (``model_executor``, ``structured_output_manager``,
 ``scheduler``), and ``step()`` is where the three roles of chapter 1 meet.
-Chapter 6 explains ``_initialize_kv_caches``, chapter 7 the loop around ``step``.
+Chapter 6 explains ``_initialize_kv_caches``, chapter 7 the loop around ``step``
+and its async-scheduling variant ``step_with_batch_queue``.
 vLLM 0.32 counterpart: ``vllm/v1/engine/core.py`` (``EngineCore``, ``step``,
-``_initialize_kv_caches``); the busy loop of a server process is
+``step_with_batch_queue``, ``_initialize_kv_caches``); the busy loop of a server process is
 ``EngineCoreProc.run_busy_loop`` in the same file (chapter 8).
 """
 
@@ -13,12 +14,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 from nanoengine.config import EngineConfig
 from nanoengine.core.invariants import check_invariants
 from nanoengine.core.kv_cache_sizing import get_kv_cache_config
 from nanoengine.core.kv_cache_utils import get_request_block_hasher
+from nanoengine.core.sched.async_scheduler import AsyncScheduler
+from nanoengine.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.engine import EngineCoreOutputs, EngineCoreRequest
 from nanoengine.engine.step_timing import CompletionClock, StepTiming
@@ -31,6 +37,24 @@ from nanoengine.utils.component_tree import TreeNode
 from nanoengine.worker.memory_report import MemoryReport, render_memory_table
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlightStep:
+    """One launched step of the batch queue (async scheduling, chapter 7)."""
+
+    scheduler_output: SchedulerOutput
+    executed: Future[ModelRunnerOutput | None]  # execute_model
+    sampled: Future[ModelRunnerOutput]  # sample_tokens, queued right behind it
+
+    def result(self) -> ModelRunnerOutput:
+        """Block until the step's tokens are sampled.
+
+        A step that ran no tokens answers from ``execute_model`` already (and
+        its ``sample_tokens`` has nothing to sample).
+        """
+        output = self.executed.result()
+        return output if output is not None else self.sampled.result()
 
 
 class EngineCore(TreeNode):
@@ -60,9 +84,19 @@ class EngineCore(TreeNode):
             else NULL_RECORDER
         )
         self.check_invariants = observability.check_invariants
-        self.scheduler = Scheduler(
+        async_scheduling = engine_config.scheduler_config.async_scheduling
+        scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(
             engine_config.scheduler_config, engine_config.cache_config, self.kv_cache_config, self.recorder,
             kv_transfer_config=engine_config.kv_transfer_config,
+        )
+        # Async scheduling keeps up to two steps in flight: the one whose
+        # tokens the scheduler waits for, and the next one, already launched.
+        self.batch_queue_size = 2 if async_scheduling else 1
+        self.batch_queue: deque[InFlightStep] = deque()
+        # What one turn of the engine loop runs (vLLM's ``step_fn``).
+        self.step_fn: Callable[[], tuple[EngineCoreOutputs, bool]] = (
+            self.step_with_batch_queue if async_scheduling else self.step
         )
         cache_config = engine_config.cache_config
         self.block_hasher = (
@@ -70,7 +104,8 @@ class EngineCore(TreeNode):
         )
         # Seconds per construction step, shown by chapters 1, 5 and 6.
         self.startup_timings = timings
-        # Where the last step's time went (chapter 5's overlap of CPU work and forward).
+        # Where the last step's time went (chapter 5's overlap of CPU work and
+        # forward); step() only, as async steps overlap each other.
         self.last_step_timing: StepTiming | None = None
 
     def _initialize_kv_caches(self, timings: dict[str, float]) -> KVCacheConfig:
@@ -178,6 +213,41 @@ class EngineCore(TreeNode):
         if self.check_invariants:
             check_invariants(self.scheduler)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def step_with_batch_queue(self) -> tuple[EngineCoreOutputs, bool]:
+        """Async scheduling: launch step N+1 before waiting for step N's tokens.
+
+        Each call schedules and launches one step when there is anything to
+        schedule; while fewer than ``batch_queue_size`` steps are in flight it
+        returns at once, with no outputs, so the scheduler plans the next step
+        while this one runs (``AsyncScheduler`` books the tokens being sampled
+        as placeholders). Otherwise it waits for the oldest step and folds its
+        tokens in. With nothing left to schedule it drains the queue, one step
+        per call. Structured output is refused with async scheduling (its
+        bitmask needs the previous token), so sampling never waits for one.
+
+        vLLM also takes the oldest step early when it has already finished;
+        waiting only for a full queue makes every run interleave the same way.
+        Returns the outputs and whether a step that runs the model was launched.
+        """
+        model_executed = False
+        if self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            # Both calls go to the one forward thread, in this order, so each
+            # step is sampled before the next step's forward pass starts.
+            executed = self.model_executor.execute_model(scheduler_output, non_block=True)
+            sampled = self.model_executor.sample_tokens(None, non_block=True)
+            self.batch_queue.appendleft(InFlightStep(scheduler_output, executed, sampled))
+            model_executed = scheduler_output.total_num_scheduled_tokens > 0
+            if model_executed and len(self.batch_queue) < self.batch_queue_size:
+                return EngineCoreOutputs(), True
+        elif not self.batch_queue:
+            return EngineCoreOutputs(), False
+        oldest = self.batch_queue.pop()
+        outputs = self.scheduler.update_from_output(oldest.scheduler_output, oldest.result())
+        if self.check_invariants:
+            check_invariants(self.scheduler)
+        return outputs, model_executed
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()

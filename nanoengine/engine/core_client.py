@@ -54,7 +54,8 @@ class EngineCoreClient(ABC):
 
 
 class InprocClient(EngineCoreClient, TreeNode):
-    """In-process: each ``get_output`` is one direct ``EngineCore.step()``.
+    """In-process: each ``get_output`` is one direct ``EngineCore.step()``
+    (``step_with_batch_queue()`` with async scheduling).
 
     The client, not LLMEngine, holds the EngineCore, so printing the client
     shows the subtree the seed note draws below ``engine_core``.
@@ -69,7 +70,7 @@ class InprocClient(EngineCoreClient, TreeNode):
         self.engine_core.add_request(request)
 
     def get_output(self) -> EngineCoreOutputs:
-        outputs, _ = self.engine_core.step()
+        outputs, _ = self.engine_core.step_fn()
         return outputs
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

@@ -23,10 +23,13 @@ class InputProcessor(TreeNode):
 
     tree_children = ()
 
-    def __init__(self, model_config: ModelConfig, eos_token_ids: Iterable[int]) -> None:
+    def __init__(
+        self, model_config: ModelConfig, eos_token_ids: Iterable[int], async_scheduling: bool = False
+    ) -> None:
         self.model_config = model_config
         # The tokenizer's EOS and any extra ones from generation_config.json.
         self.eos_token_ids = sorted(set(eos_token_ids))
+        self.async_scheduling = async_scheduling
 
     def process_inputs(
         self,
@@ -38,6 +41,11 @@ class InputProcessor(TreeNode):
     ) -> EngineCoreRequest:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}.")
+        if self.async_scheduling and params.structured_outputs is not None:
+            # The grammar must accept step N's token before it can mask step
+            # N+1's logits, but async scheduling launches step N+1 before that
+            # token is known (chapter 7).
+            raise ValueError("structured_outputs cannot be combined with async_scheduling=True.")
         prompt_ids = rendered["prompt_token_ids"]
         self._validate_prompt(prompt_ids)
         params = params.clone()

@@ -39,7 +39,9 @@ class LLMEngine(TreeNode):
         self.tokenizer = get_tokenizer(model_config.model_path)
         self.renderer = HfRenderer(self.tokenizer)
         eos_ids = get_generation_eos_ids(model_config.model_path, self.tokenizer)
-        self.input_processor = InputProcessor(model_config, eos_ids)
+        self.input_processor = InputProcessor(
+            model_config, eos_ids, async_scheduling=engine_config.scheduler_config.async_scheduling
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Building the client builds the EngineCore: weights, profiling, KV cache.
         self.engine_core = EngineCoreClient.make_client(engine_config)

@@ -72,8 +72,29 @@ class UniProcExecutor(TreeNode):
             return self.driver_worker.execute_model(scheduler_output)
         return self._forward_thread.submit(self.driver_worker.execute_model, scheduler_output)
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        return self.driver_worker.sample_tokens(grammar_output)
+    @overload
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: Literal[False] = ...
+    ) -> ModelRunnerOutput: ...
+
+    @overload
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: Literal[True]
+    ) -> Future[ModelRunnerOutput]: ...
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Sample from the logits ``execute_model`` kept, now or (non_block) on the forward thread.
+
+        Async scheduling queues it right behind its ``execute_model``: the one
+        forward thread runs them in submission order, so a step's tokens are
+        sampled (and appended to the worker's request copies) before the next
+        step's forward pass reads them as inputs.
+        """
+        if not non_block:
+            return self.driver_worker.sample_tokens(grammar_output)
+        return self._forward_thread.submit(self.driver_worker.sample_tokens, grammar_output)
 
     def shutdown(self) -> None:
         self._forward_thread.shutdown(wait=True)

@@ -67,7 +67,7 @@ class _ClassSource:
     sites: Mapping[str, tuple[_AssignmentSite, ...]]  # attr -> sites, in source order
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _parse_file(filename: str) -> ast.Module | None:
     # linecache is where inspect reads source from too, so line numbers agree.
     try:
@@ -85,7 +85,7 @@ def _find_class_def(module: ast.Module, name: str, first_line: int) -> ast.Class
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _read_class_source(cls: type) -> _ClassSource | None:
     """Parse ``cls``'s source once; None for builtins and classes without a file."""
     try:

@@ -25,7 +25,10 @@ class CachedRequestState:
     """What the worker remembers about one request between steps."""
 
     req_id: str
-    token_ids: list[int]  # every known token: prompt, then sampled outputs
+    # Prompt, then every token this worker sampled -- under async scheduling
+    # (chapter 7) including the latest, which the scheduler has not seen yet
+    # and schedules as a placeholder: the next decode reads its input here.
+    token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
     block_ids: list[int]

@@ -34,6 +34,8 @@ from nanoengine.core.sched.output import (
 )
 from nanoengine.distributed.kv_transfer.worker_side import SharedStorageConnectorWorker
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from nanoengine.model_executor.custom_op import enable_cpu_kernels
+from nanoengine.model_executor.layers.cpu_linear import resolve_linear_backend
 from nanoengine.model_executor.model_loader import get_model
 from nanoengine.model_executor.models.llama import LlamaForCausalLM
 from nanoengine.sample.metadata import SamplingMetadata
@@ -90,7 +92,8 @@ class ModelRunner(TreeNode):
         # The worker half of a KV connector, when this engine is part of a P/D pair.
         transfer = engine_config.kv_transfer_config
         self.kv_connector = SharedStorageConnectorWorker(transfer) if transfer is not None else None
-        self.attention_backend = resolve_backend_name(self.model_config.attention_backend, device)
+        self.attention_backend = resolve_backend_name(self.model_config.attention_backend, device, self.dtype)
+        self.linear_backend = resolve_linear_backend(self.model_config.linear_backend, device, self.dtype)
         # CUDA graphs (chapter 7): decode only, on CUDA, with the capturable
         # Triton backend, unless enforce_eager. The dispatcher exists either way
         # so every step records its decision (chapter 7 prints them on a CPU).
@@ -112,9 +115,16 @@ class ModelRunner(TreeNode):
 
     def load_model(self) -> None:
         self.model = get_model(
-            self.model_config.model_path, self.model_config.hf_config, self.dtype, self.device
+            self.model_config.model_path,
+            self.model_config.hf_config,
+            self.dtype,
+            self.device,
+            self.linear_backend,
         )
         set_attention_impl(self.model, get_attention_impl(self.attention_backend))
+        if self.attention_backend == "cpu":
+            # The same C++ build carries the norm, RoPE and activation kernels.
+            enable_cpu_kernels(self.model)
 
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self._model().parameters())
@@ -214,12 +224,23 @@ class ModelRunner(TreeNode):
                 generator=previous.generator if previous else self._make_generator(new.sampling_params.seed),
             )
         cached = scheduler_output.scheduled_cached_reqs
-        for req_id, new_blocks, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        for req_id, new_blocks, num_computed, num_outputs in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.num_output_tokens
         ):
             state = self.requests[req_id]
             state.block_ids.extend(new_blocks)
             state.num_computed_tokens = num_computed
+            # Async scheduling (chapter 7): a decode may be scheduled before the
+            # scheduler has seen the token it consumes (an output placeholder).
+            # That token is the one this runner sampled for the request last
+            # step and appended to token_ids, so prepare_inputs reads it there.
+            # The counts must agree, or the batch would be built from the wrong
+            # tokens without any error.
+            if state.num_output_tokens != num_outputs:
+                raise RuntimeError(
+                    f"{req_id!r}: the scheduler counts {num_outputs} output tokens (placeholders "
+                    f"included), the worker holds {state.num_output_tokens}."
+                )
 
     def _make_generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -82,7 +82,7 @@ class TorchRefAttentionImpl:
         Rows past ``num_actual_tokens`` (padding a runner may add) come back zero.
         """
         n = attn_metadata.num_actual_tokens
-        write_to_kv_cache(key[:n], value[:n], kv_cache, attn_metadata.slot_mapping[:n])
+        self._write(key[:n], value[:n], kv_cache, attn_metadata.slot_mapping[:n])
         output = torch.zeros_like(query)
         num_decodes = attn_metadata.num_decodes
         if num_decodes > 0:
@@ -93,6 +93,12 @@ class TorchRefAttentionImpl:
             start, end = qsl[i], qsl[i + 1]
             output[start:end] = self._prefill_one(query[start:end], kv_cache, attn_metadata, i, scale)
         return output
+
+    def _write(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store this step's K/V; a faster backend may override (and ``_decode_batch``)."""
+        write_to_kv_cache(key, value, kv_cache, slot_mapping)
 
     def _decode_batch(
         self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float

@@ -46,6 +46,11 @@ class CachedRequestData:
     # Blocks appended to each request's table this step (empty list = none).
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Output tokens each request has, counting those a step in flight is still
+    # sampling (async scheduling's placeholders, chapter 7). The worker appends
+    # every token it samples, so its copy holds exactly this many: the ones the
+    # scheduler has not seen yet are inputs only the worker knows.
+    num_output_tokens: list[int] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

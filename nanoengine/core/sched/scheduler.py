@@ -18,7 +18,11 @@ One step is ``schedule()`` -> model runner -> ``update_from_output()``:
 Policies, as in vLLM: ``fcfs`` (arrival order; the newest runner is the victim)
 and ``priority`` (lower ``Request.priority`` first, ties by arrival; the lowest
 ranked is the victim, and a waiting request may preempt a runner ranked below it).
-3. ``update_from_output`` appends sampled tokens and retires finished requests.
+3. ``update_from_output`` (output_update.py) appends sampled tokens and retires
+   finished requests.
+
+``AsyncScheduler`` (async_scheduler.py, chapter 7) is this scheduler made safe
+to call again before step 3 of the previous step has happened.
 
 The KV cache manager is a member created here, as in vLLM: whether a request
 can run is decided by ``allocate_slots``, so memory is a direct input of every
@@ -29,16 +33,17 @@ vLLM 0.32 counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler``).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from nanoengine.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from nanoengine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from nanoengine.core.sched import blocked_waiting
-from nanoengine.core.sched.output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from nanoengine.core.sched.output import SchedulerOutput, SchedulerStats
+from nanoengine.core.sched.output_update import OutputUpdateMixin
 from nanoengine.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from nanoengine.core.sched.step_plan import StepPlan
 from nanoengine.core.sched.utils import (
-    check_stop,
     make_engine_core_output,
     select_preemption_victim,
     select_victim_for_admission,
@@ -46,14 +51,14 @@ from nanoengine.core.sched.utils import (
     why_never_fits,
 )
 from nanoengine.distributed.kv_transfer.scheduler_side import SharedStorageConnectorScheduler
-from nanoengine.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
+from nanoengine.engine import EngineCoreEventType, EngineCoreOutput
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import Request, RequestStatus
 from nanoengine.trace.recorder import NULL_RECORDER, PREEMPT_FOR_PRIORITY, PREEMPT_OUT_OF_BLOCKS, StepRecorder
 from nanoengine.utils.component_tree import TreeNode
 
 
-class Scheduler(TreeNode):
+class Scheduler(OutputUpdateMixin, TreeNode):
     """vLLM V1's scheduler: one token budget, running requests first."""
 
     tree_children = ("kv_cache_manager",)
@@ -84,6 +89,9 @@ class Scheduler(TreeNode):
         self.running: list[Request] = []
         # Finished since the last schedule(): the worker drops its copy of them.
         self.finished_req_ids: set[str] = set()
+        # Async scheduling (chapter 7): request id -> tokens that steps in flight
+        # still sample for a request that has already ended; they are dropped.
+        self.finished_in_flight: Counter[str] = Counter()
         # Outputs produced inside schedule() (IGNORED requests), delivered by the
         # next update_from_output(), the only method that returns outputs.
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -137,13 +145,6 @@ class Scheduler(TreeNode):
             self.running = [r for r in self.running if r not in running_to_remove]
         if waiting_to_remove:
             self.waiting.remove_requests(waiting_to_remove)
-
-    def _free_request(self, request: Request) -> None:
-        """Forget a finished request: blocks back to the pool, worker told."""
-        self.kv_cache_manager.free(request)
-        del self.requests[request.request_id]
-        self.finished_req_ids.add(request.request_id)
-        self.recorder.on_request_finished(request)
 
     # ---- schedule() --------------------------------------------------------
 
@@ -319,46 +320,6 @@ class Scheduler(TreeNode):
             self.requests[req_id].num_computed_tokens += num_scheduled
         # This step's output owns the old set; start collecting for the next one.
         self.finished_req_ids = set()
-
-    # ---- update_from_output() ----------------------------------------------
-
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> EngineCoreOutputs:
-        """Fold sampled tokens into the requests, retire finished ones, report."""
-        sampled_by_req = model_runner_output.by_request()
-        if model_runner_output.kv_connector_output is not None:  # remote KV loads that completed
-            self.finished_recving_kv_req_ids |= model_runner_output.kv_connector_output.finished_recving
-        outputs, self._pending_outputs = self._pending_outputs, []
-        stopped: set[Request] = set()
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None:
-                continue  # aborted while the step was running
-            # Empty for a partial prefill: its last position sampled nothing.
-            new_token_ids, is_stopped = self._append_output_tokens(request, sampled_by_req.get(req_id, []))
-            if is_stopped:
-                stopped.add(request)
-                self._free_request(request)
-            if new_token_ids or is_stopped:
-                outputs.append(make_engine_core_output(request, new_token_ids))
-        if stopped:
-            self.running = [request for request in self.running if request not in stopped]
-        return EngineCoreOutputs(outputs=outputs)
-
-    def _append_output_tokens(self, request: Request, sampled: list[int]) -> tuple[list[int], bool]:
-        """Append tokens one by one, stopping at the first stop condition.
-
-        One token per step in nanoengine, but a list keeps the door open for
-        speculative decoding, where tokens after a stop must be dropped.
-        """
-        for num_kept, token_id in enumerate(sampled, start=1):
-            request.append_output_token_ids(token_id)
-            if request.structured_output_request is not None:  # advance the grammar
-                request.structured_output_request.accept_tokens([token_id])
-            if check_stop(request, self.max_model_len):
-                return sampled[:num_kept], True
-        return sampled, False
 
     # ---- queries -----------------------------------------------------------
 

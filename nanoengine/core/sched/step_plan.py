@@ -85,6 +85,9 @@ class StepPlan:
             req_ids=[request.request_id for request in self.cached_reqs],
             new_block_ids=[self.new_block_ids[request.request_id] for request in self.cached_reqs],
             num_computed_tokens=[request.num_computed_tokens for request in self.cached_reqs],
+            num_output_tokens=[
+                request.num_output_tokens + request.num_output_placeholders for request in self.cached_reqs
+            ],
         )
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,

@@ -12,18 +12,25 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from nanoengine._custom_ops import load_cpu_ops
+from nanoengine.model_executor.custom_op import CustomOp
 
 # The only activation the supported families use; anything else is refused by
 # name instead of silently computing a different network.
 SUPPORTED_HIDDEN_ACT = "silu"
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(CustomOp):
     """``silu(x[..., :d]) * x[..., d:]`` where ``d = x.shape[-1] // 2``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]
+        if self.use_cpu_kernels:
+            rows = x.reshape(-1, x.shape[-1])
+            out = torch.empty(rows.shape[0], rows.shape[1] // 2, dtype=x.dtype, device=x.device)
+            load_cpu_ops().silu_and_mul(out, rows)
+            return out.view(*x.shape[:-1], out.shape[-1])
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

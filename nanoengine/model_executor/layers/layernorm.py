@@ -14,9 +14,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanoengine._custom_ops import load_cpu_ops
+from nanoengine.model_executor.custom_op import CustomOp
 
-class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension."""
+
+class RMSNorm(CustomOp):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension.
+
+    With ``use_cpu_kernels`` (see ``custom_op.py``) both methods run one C++
+    kernel each (``csrc/cpu/layers.cpp``) instead of ~9 small torch ops.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -28,6 +35,11 @@ class RMSNorm(nn.Module):
         # bf16 activations (a bf16 mean of squares loses too many bits), and the
         # result is cast back *before* the weight multiply, exactly as HF does, so
         # bf16 runs round the same way as the reference.
+        if self.use_cpu_kernels:
+            rows = x.reshape(-1, x.shape[-1])  # [tokens (x heads), hidden]; copies only a strided view
+            out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+            load_cpu_ops().rms_norm(out, rows, self.weight, self.variance_epsilon)
+            return out.view(x.shape)
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(dim=-1, keepdim=True)
@@ -42,6 +54,12 @@ class RMSNorm(nn.Module):
         Returns ``(normed, new_residual)``; the caller feeds ``normed`` to the next
         sub-block and keeps ``new_residual`` for the norm after it.
         """
+        if self.use_cpu_kernels:
+            # vLLM's fused op: residual += x, then x = norm(residual), both in
+            # place. Safe here: x is a fresh projection output and residual is
+            # this stream's own tensor; nobody else reads either afterwards.
+            load_cpu_ops().fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+            return x, residual
         new_residual = x + residual
         return self.forward(new_residual), new_residual
 

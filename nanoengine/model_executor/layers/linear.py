@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from nanoengine.model_executor.layers.cpu_linear import PackableLinear
 
 # A shard is named by its position ("gate"=0, "up"=1) or by a letter ("q", "k", "v").
 ShardId = int | str
@@ -40,8 +41,12 @@ def copy_weight(param: torch.Tensor, loaded_weight: torch.Tensor, name: str) -> 
     param.data.copy_(loaded_weight)
 
 
-class Linear(nn.Module):
-    """``y = x @ W^T + b`` with ``W`` of shape [output_size, input_size]."""
+class Linear(PackableLinear):
+    """``y = x @ W^T + b`` with ``W`` of shape [output_size, input_size].
+
+    ``matmul`` is ``F.linear`` until ``process_weights_after_loading`` switches
+    the layer to a prepacked oneDNN weight (CPU only, see ``cpu_linear.py``).
+    """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -54,10 +59,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [num_tokens, input_size] -> [num_tokens, output_size]
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+        packed = ", onednn" if self.packed else ""
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}{packed}"
 
 
 class MergedColumnLinear(Linear):

@@ -14,29 +14,33 @@ Positions come in explicitly, one per token. That is the whole trick that lets a
 flattened batch mix requests at different offsets: token t of the batch is
 rotated by ``positions[t]``, whatever request it belongs to.
 
-vLLM precomputes a cos/sin table up to ``max_position_embeddings``; here cos and
-sin are computed for just this step's positions (cheap, and no table to size).
-Both are taken in fp32 as HF does, then cast to the activation dtype.
+vLLM precomputes a cos/sin table up to ``max_position_embeddings``. The plain
+torch path here computes cos and sin for just this step's positions instead (no
+table to size); the C++ CPU kernel (``use_cpu_kernels``) reads a table, built
+once. Both are taken in fp32 as HF does, then cast to the activation dtype.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
-from torch import nn
+
+from nanoengine._custom_ops import load_cpu_ops
+from nanoengine.model_executor.custom_op import CustomOp
 
 # rope_type values this module implements; "default" is plain RoPE.
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """Applies RoPE to flattened query and key heads given per-token positions."""
 
     inv_freq: torch.Tensor  # [head_dim // 2] fp32, registered as a buffer
 
-    def __init__(self, head_dim: int, inv_freq: torch.Tensor) -> None:
+    def __init__(self, head_dim: int, inv_freq: torch.Tensor, max_positions: int = 2048) -> None:
         super().__init__()
         if inv_freq.shape != (head_dim // 2,):
             raise ValueError(
@@ -46,12 +50,25 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: it is derived from the config, never read from a checkpoint
         # (some old checkpoints do carry it; the loader skips those entries).
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.max_positions = max_positions
+        # [max_positions, head_dim] (cos | sin), built only for the C++ kernel.
+        self.cos_sin_cache: torch.Tensor | None = None
+
+    def prepare_cpu_kernels(self) -> None:
+        self.cos_sin_cache = cos_sin_table(self.max_positions, tuple(self.inv_freq.tolist()))
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens]; query [num_tokens, num_heads * head_dim];
-        key [num_tokens, num_kv_heads * head_dim]. Returns both rotated, same shapes."""
+        key [num_tokens, num_kv_heads * head_dim]. Returns both rotated, same shapes.
+
+        With ``use_cpu_kernels`` one C++ call rotates both *in place* (they are
+        fresh projection outputs) from the precomputed table, and returns them.
+        """
+        if self.use_cpu_kernels and self.cos_sin_cache is not None:
+            load_cpu_ops().rotary_embedding(positions.long(), query, key, self.cos_sin_cache, self.head_dim)
+            return query, key
         # [num_tokens, head_dim // 2] angles, in fp32 whatever the model dtype
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         # [num_tokens, 1, head_dim // 2]: the middle axis broadcasts over heads
@@ -67,6 +84,18 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = heads.chunk(2, dim=-1)
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return rotated.flatten(-2)
+
+
+@functools.cache
+def cos_sin_table(max_positions: int, inv_freq: tuple[float, ...]) -> torch.Tensor:
+    """[max_positions, head_dim] fp32: cos then sin of ``position * inv_freq``.
+
+    vLLM's ``cos_sin_cache``. The angles are the same fp32 products the
+    per-step path computes, so the table's entries are bit-identical to it.
+    Cached by value: every layer of a model shares one table.
+    """
+    angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * torch.tensor(inv_freq)[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
 
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -131,4 +160,5 @@ def get_rope(head_dim: int, hf_config: Any) -> RotaryEmbedding:
     inv_freq = default_inv_freq(head_dim, float(params["rope_theta"]))
     if rope_type == "llama3":
         inv_freq = llama3_inv_freq(inv_freq, params)
-    return RotaryEmbedding(head_dim, inv_freq)
+    max_positions = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+    return RotaryEmbedding(head_dim, inv_freq, max_positions)

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoengine.model_executor.layers.cpu_linear import PackableLinear
+
 
 class VocabEmbedding(nn.Module):
     """Row lookup: token id -> its hidden vector."""
@@ -30,8 +32,10 @@ class VocabEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-class LMHead(nn.Module):
+class LMHead(PackableLinear):
     """hidden -> logits over the vocabulary, always returned in fp32."""
+
+    bias = None  # an LM head has none; PackableLinear.matmul reads the attribute
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None) -> None:
         super().__init__()
@@ -49,4 +53,4 @@ class LMHead(nn.Module):
         # [num_rows, hidden] -> [num_rows, vocab]. The matmul runs in the model dtype;
         # the sampler gets fp32 so softmax/top-p over a 150k vocabulary does not
         # suffer bf16's 8-bit mantissa.
-        return F.linear(hidden, self.weight).float()
+        return self.matmul(hidden).float()

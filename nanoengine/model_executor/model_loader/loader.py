@@ -8,7 +8,9 @@ The sequence is vLLM's: pick the class from the registry, construct it directly
 on the target device in the target dtype (no throw-away CPU fp32 copy of a big
 model), then stream the checkpoint into it with the model's own
 ``load_weights``. No ``AutoModel``: the module that runs is the one defined in
-``models/``.
+``models/``. Last comes vLLM's ``process_weights_after_loading``: on a CPU the
+linear layers may swap their weights for prepacked oneDNN copies
+(``layers/cpu_linear.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from contextlib import contextmanager
 import torch
 from transformers import PretrainedConfig
 
+from nanoengine.model_executor.layers.cpu_linear import process_weights_after_loading
 from nanoengine.model_executor.model_loader.weight_utils import (
     safetensors_files,
     safetensors_weights_iterator,
@@ -39,9 +42,16 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def get_model(
-    model_path: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device
+    model_path: str,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    linear_backend: str = "torch",
 ) -> LlamaForCausalLM:
     """The ready-to-run model: weights loaded, in eval mode, gradients off.
+
+    ``linear_backend`` is a resolved name ("torch" or "onednn", see
+    ``resolve_linear_backend``); "torch" leaves the plain weights in place.
 
     Typed as ``LlamaForCausalLM`` because every supported family is one (Qwen2 and
     Qwen3 subclass it); callers get ``compute_logits``/``load_weights`` typed.
@@ -58,4 +68,5 @@ def get_model(
     model.load_weights(safetensors_weights_iterator(model_path))
     model.eval()
     model.requires_grad_(False)
+    process_weights_after_loading(model, linear_backend)
     return model

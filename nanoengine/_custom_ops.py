@@ -1,0 +1,76 @@
+"""Python handles to nanoengine's C++ CPU kernels, built on first use.
+
+Chapter 7 (the CPU fast paths: paged decode attention, and the fused norm, RoPE
+and activation of every decoder layer).
+vLLM 0.32 counterpart: ``vllm/_custom_ops.py`` (thin Python wrappers over the
+compiled ``torch.ops._C`` kernels of ``csrc/``; vLLM compiles them when the
+wheel is built, nanoengine when the engine first needs them).
+
+The sources are in ``nanoengine/csrc/cpu/``. ``torch.utils.cpp_extension.load``
+compiles them into one module the first time (about half a minute) and keeps
+the build under ``~/.cache/torch_extensions``; later processes import it in
+about a second. Everything that uses the kernels asks ``cpu_ops_available()``
+first: without a compiler, or if the build fails, it warns once and the engine
+runs the plain torch code instead, so nothing depends on this module working.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+import warnings
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CSRC_DIR = Path(__file__).parent / "csrc" / "cpu"
+SOURCES = ("attention.cpp", "layers.cpp", "bindings.cpp")
+# -march=native: the build is for this CPU only (its AVX-512, if any); the
+# module name carries a fingerprint of the CPU, so a cache directory shared
+# with another machine never hands it a binary built for different hardware.
+# -ffast-math lets the compiler vectorise exp() and reorder sums (results stay
+# within fp32 rounding of the torch reference; the tests check).
+# -fopenmp makes at::parallel_for use torch's own OpenMP thread pool.
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+def _cpu_fingerprint() -> str:
+    """A short hash of what the compiler's -march=native sees."""
+    text = platform.machine() + platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        text += next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def load_cpu_ops() -> Any:
+    """Compile (or fetch from the cache) and import the kernels. Raises on failure."""
+    from torch.utils.cpp_extension import load
+
+    logger.info("Loading nanoengine's C++ CPU kernels (the first run compiles them, about 30 s).")
+    return load(
+        name=f"nanoengine_cpu_ops_{_cpu_fingerprint()}",
+        sources=[str(CSRC_DIR / name) for name in SOURCES],
+        extra_cflags=COMPILE_FLAGS,
+        extra_include_paths=[str(CSRC_DIR)],
+        verbose=False,
+    )
+
+
+@functools.cache
+def cpu_ops_available() -> bool:
+    """True when the kernels load; otherwise warn once, naming the reason."""
+    try:
+        load_cpu_ops()
+    except Exception as error:  # a missing compiler, ninja, headers...: all mean "fall back"
+        warnings.warn(
+            f"nanoengine: the C++ CPU kernels could not be built ({type(error).__name__}: {error}); "
+            "using the plain torch code instead.",
+            stacklevel=2,
+        )
+        return False
+    return True
