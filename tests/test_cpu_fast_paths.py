@@ -6,6 +6,8 @@
   garbage-filled shuffled cache, for the head sizes the kernel specialises (64,
   128) and for any other (the generic path). The same build's RMSNorm, RoPE and
   SiLU-and-mul kernels must give what the layers' plain torch code gives.
+* and two things asked of the OS: the KV cache stays on 4 KiB pages, and every
+  worker call runs on the one forward thread.
 * ``linear_backend="onednn"``: weights prepacked for oneDNN must give
   ``F.linear``'s result, layer by layer and as whole-model logits.
 """
@@ -13,9 +15,12 @@
 from __future__ import annotations
 
 import copy
+import sys
+import threading
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,6 +40,7 @@ from nanoengine.model_executor.layers.linear import Linear, QKVLinear
 from nanoengine.model_executor.layers.rotary_embedding import RotaryEmbedding, default_inv_freq
 from nanoengine.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
 from nanoengine.model_executor.model_loader import get_model
+from nanoengine.worker.page_advice import advise_no_huge_pages
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="no C++ compiler for the CPU kernels")
 
@@ -249,3 +255,38 @@ def test_onednn_model_logits_match_torch_model(family: str, tiny_model_factory: 
     assert len(packed) == 4 * config.num_hidden_layers + 1  # qkv, o, gate_up, down per layer + LM head
     # TorchRefAttentionImpl is what a model uses until the runner picks a backend.
     assert all(isinstance(m.impl, TorchRefAttentionImpl) for m in models["onednn"].modules() if hasattr(m, "impl"))
+
+
+# ---- what the OS is asked for ------------------------------------------------
+
+
+def _vm_flags_of(address: int) -> list[str]:
+    """The VmFlags of the mapping that contains ``address`` (/proc/self/smaps)."""
+    flags: list[str] = []
+    inside = False
+    for line in open("/proc/self/smaps", encoding="ascii"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            flags = line.split()[1:]
+    return flags
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and smaps are Linux's")
+def test_kv_cache_memory_opts_out_of_huge_pages() -> None:
+    cache = torch.from_numpy(np.zeros(16 << 20, dtype=np.uint32)).view(torch.float32)  # 64 MiB, untouched
+    assert advise_no_huge_pages(cache)
+    assert "nh" in _vm_flags_of(cache.data_ptr() + (32 << 20))  # the kernel recorded MADV_NOHUGEPAGE
+    assert not advise_no_huge_pages(torch.empty(0))
+
+
+def test_worker_calls_run_on_the_forward_thread(tiny_llama: str) -> None:
+    from nanoengine import LLM
+
+    llm = LLM(tiny_llama, max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    thread = executor.collective_rpc(threading.current_thread)
+    assert thread is not threading.main_thread() and thread.name.startswith("nanoengine-forward")
+    assert executor.collective_rpc(lambda a, b: a + b, 2, 3) == 5

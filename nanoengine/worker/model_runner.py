@@ -55,6 +55,7 @@ from nanoengine.worker.input_batch import (
     order_decodes_first,
     prepare_inputs,
 )
+from nanoengine.worker.page_advice import advise_no_huge_pages
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The profile run's dummy requests sample nothing, but a state needs parameters.
@@ -144,7 +145,8 @@ class ModelRunner(TreeNode):
         Zero-filled, so stale slots hold zeros rather than NaN garbage. On CPU
         the zeros come from numpy's calloc: the OS hands out zeroed pages lazily,
         so an untouched block costs neither RAM nor time (``torch.zeros`` would
-        memset every page up front: seconds for a few GiB).
+        memset every page up front: seconds for a few GiB). The pages are kept
+        at 4 KiB (``page_advice.py``): a first write then never stalls a step.
         """
         spec = self.get_kv_cache_spec()
         shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
@@ -152,7 +154,10 @@ class ModelRunner(TreeNode):
             return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
         # Same-width integer storage viewed as the model dtype (numpy has no bf16).
         storage = {2: np.uint16, 4: np.uint32}[spec.dtype_size]
-        return [torch.from_numpy(np.zeros(shape, dtype=storage)).view(self.dtype) for _ in range(spec.num_layers)]
+        caches = [torch.from_numpy(np.zeros(shape, dtype=storage)).view(self.dtype) for _ in range(spec.num_layers)]
+        for cache in caches:
+            advise_no_huge_pages(cache)
+        return caches
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_caches = self._allocate_kv_caches(kv_cache_config.num_blocks)

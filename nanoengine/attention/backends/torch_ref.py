@@ -83,8 +83,12 @@ class TorchRefAttentionImpl:
         """
         n = attn_metadata.num_actual_tokens
         self._write(key[:n], value[:n], kv_cache, attn_metadata.slot_mapping[:n])
-        output = torch.zeros_like(query)
         num_decodes = attn_metadata.num_decodes
+        if num_decodes == attn_metadata.num_reqs == query.shape[0]:
+            # A pure decode batch with no padding, the common step: no output
+            # buffer to zero and copy into.
+            return self._decode_batch(query, kv_cache, attn_metadata, scale)
+        output = torch.zeros_like(query)
         if num_decodes > 0:
             # Decodes come first and own exactly one row each: rows 0 .. num_decodes-1.
             output[:num_decodes] = self._decode_batch(query[:num_decodes], kv_cache, attn_metadata, scale)

@@ -74,6 +74,8 @@ def pack_weight(weight: torch.Tensor) -> nn.Parameter:
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W^T + b`` with a weight from ``pack_weight``. x [..., in] -> [..., out]."""
+    if x.dim() == 2:  # what the models pass: [num_tokens, in]
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     rows = x.reshape(-1, x.shape[-1])  # [num_rows, in]; the operator takes 2-D input
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], out.shape[-1])
