@@ -185,9 +185,16 @@ latencies: dict[tuple[str, str], dict[str, list[float]]] = {}
 
 
 def measure(
-    systems: list[System], workloads: list[Workload], repeats: int, console: Console
+    systems: list[System], workloads: list[Workload], repeats: int, console: Console, settle_s: float
 ) -> list[Measurement]:
-    """Time every system on every workload; repeats are interleaved so drift hits all alike."""
+    """Time every system on every workload; repeats are interleaved so drift hits all alike.
+
+    Each timed run starts ``settle_s`` seconds after the previous one ends: a
+    system does not go quiet the moment its last request returns (vLLM's
+    workers busy-poll their message queue for a second before they sleep,
+    OpenMP threads spin a while), and on 2 cores whatever still runs would be
+    billed to the next system.
+    """
     results = {
         (w.name, s.name): Measurement(w.name, s.name, w.useful_tokens) for w in workloads for s in systems
     }
@@ -195,6 +202,7 @@ def measure(
     for repeat in range(repeats):
         for workload in workloads:
             for system in systems:
+                time.sleep(settle_s)
                 started = time.perf_counter()
                 system.run(workload)
                 seconds = time.perf_counter() - started
@@ -284,6 +292,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--async-scheduling", action="store_true", help="the engine schedules step N+1 while step N runs"
     )
+    parser.add_argument(
+        "--settle-seconds", type=float, default=3.0, help="idle pause before each timed run (see measure)"
+    )
     parser.add_argument("--check-tokens", type=int, default=32, help="greedy tokens compared with HF")
     parser.add_argument("--skip-hf", action="store_true", help="benchmark the engine only")
     parser.add_argument("--skip-engine", action="store_true", help="benchmark HF only (baseline)")
@@ -328,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     for system in systems:
         console.print(f"warming up {system.name} ...")
         warm_up(system, vocab_size)
-    results = measure(systems, workloads, args.repeats, console)
+    results = measure(systems, workloads, args.repeats, console, args.settle_seconds)
 
     agree = check_agreement(systems, workloads[0], args.check_tokens)
     console.print(render_table(results, engine_kwargs, args.threads))
