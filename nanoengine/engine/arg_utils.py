@@ -24,7 +24,7 @@ from nanoengine.config import (
 )
 from nanoengine.model_executor.layers.cpu_linear import LINEAR_BACKENDS
 from nanoengine.model_executor.models.registry import get_model_class
-from nanoengine.transformers_utils.config import get_hf_config, resolve_model_path
+from nanoengine.transformers_utils.config import get_hf_config, resolve_model_path, trained_context_len
 
 # The dtypes a user may name; "auto" picks fp32 on CPU (this kind of CPU has no
 # fast bf16) and bf16 on CUDA.
@@ -205,7 +205,7 @@ def _resolve_dtype(dtype: str, device: str) -> str:
 
 def _resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
     """The model's trained context unless the user asks for less (never more)."""
-    trained = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+    trained = trained_context_len(hf_config)
     if requested is None:
         return trained
     if requested > trained:

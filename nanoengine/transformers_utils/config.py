@@ -154,6 +154,15 @@ def get_hf_config(model_path: str) -> PretrainedConfig:
     return AutoConfig.from_pretrained(model_path, local_files_only=True)
 
 
+def trained_context_len(hf_config: PretrainedConfig) -> int:
+    """The longest position the model was trained on (2048 when the config is silent).
+
+    One definition for both readers: the engine caps ``max_model_len`` at it and
+    RoPE's cos/sin table is sized by it, so every schedulable position has a row.
+    """
+    return int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+
+
 def get_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     """Load the fast (Rust ``tokenizers``) tokenizer of a resolved local directory.
 

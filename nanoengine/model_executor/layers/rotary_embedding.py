@@ -30,6 +30,7 @@ import torch
 
 from nanoengine._custom_ops import load_cpu_ops
 from nanoengine.model_executor.custom_op import CustomOp
+from nanoengine.transformers_utils.config import trained_context_len
 
 # rope_type values this module implements; "default" is plain RoPE.
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -160,5 +161,4 @@ def get_rope(head_dim: int, hf_config: Any) -> RotaryEmbedding:
     inv_freq = default_inv_freq(head_dim, float(params["rope_theta"]))
     if rope_type == "llama3":
         inv_freq = llama3_inv_freq(inv_freq, params)
-    max_positions = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
-    return RotaryEmbedding(head_dim, inv_freq, max_positions)
+    return RotaryEmbedding(head_dim, inv_freq, trained_context_len(hf_config))
