@@ -8,8 +8,9 @@ this machine does on a model's main operation, in GFLOP/s) and how many FLOPs a
 generated token costs (2 per weight of every matmul the token passes through,
 plus attention's 4 * layers * hidden per cached token). Model FLOP/s achieved
 divided by the GEMM figure is the "roofline share" bench.py prints. The GEMM is
-measured twice, through ``torch.mm`` and through a oneDNN-prepacked weight (the
-path nanoengine's CPU linear layers take); the faster sets the roofline.
+measured through every path available: ``torch.mm``, a oneDNN-prepacked weight
+(vLLM's CPU path) and nanoengine's own packed GEMM (what its CPU linear layers
+take, ``csrc/cpu/gemm.cpp``); the fastest sets the roofline.
 vLLM 0.32 counterpart: none in the engine; ``vllm/benchmarks`` reports only tok/s.
 """
 
@@ -22,7 +23,13 @@ from typing import Any
 
 import torch
 
-from nanoengine.model_executor.layers.cpu_linear import onednn_available, onednn_linear, pack_weight
+from nanoengine._custom_ops import cpu_ops_available, load_cpu_ops
+from nanoengine.model_executor.layers.cpu_linear import (
+    cpu_linear,
+    onednn_available,
+    onednn_linear,
+    pack_weight,
+)
 
 
 @dataclass(frozen=True)
@@ -32,10 +39,20 @@ class Roofline:
     threads: int
     torch_mm_gflops: float  # torch.mm, the path F.linear (and HF transformers) takes
     onednn_gflops: float | None  # a oneDNN-prepacked weight (cpu_linear.py); None without oneDNN
+    nanoengine_gflops: float | None = None  # csrc/cpu/gemm.cpp; None without the C++ kernels
+
+    def paths(self) -> dict[str, float]:
+        """Every path measured here, by name."""
+        measured = {
+            "torch.mm": self.torch_mm_gflops,
+            "oneDNN prepacked": self.onednn_gflops,
+            "nanoengine GEMM": self.nanoengine_gflops,
+        }
+        return {name: value for name, value in measured.items() if value is not None}
 
     @property
     def best_path(self) -> str:
-        return "oneDNN prepacked" if self.onednn_gflops == self.gflops else "torch.mm"
+        return max(self.paths().items(), key=lambda item: item[1])[0]
 
 
 def _best_gflops(matmul: Callable[[], object], size: int, repeats: int) -> float:
@@ -57,25 +74,28 @@ def measure_gemm_roofline(size: int = 2048, repeats: int = 5) -> Roofline:
     a = torch.randn(size, size)
     b = torch.randn(size, size)
     torch_mm = _best_gflops(lambda: torch.mm(a, b), size, repeats)
+    weight = b.t()  # both packed paths compute a @ W^T = a @ b
     onednn: float | None = None
     if onednn_available():
-        packed = pack_weight(b.t())  # onednn_linear(a, pack(W)) computes a @ W^T = a @ b
+        packed = pack_weight(weight)
         onednn = _best_gflops(lambda: onednn_linear(a, packed, None), size, repeats)
+    nanoengine: float | None = None
+    if cpu_ops_available():
+        panels = load_cpu_ops().pack_linear_weight(weight.contiguous())
+        nanoengine = _best_gflops(lambda: cpu_linear(a, panels, None, size), size, repeats)
     return Roofline(
-        gflops=max(torch_mm, onednn or 0.0),
+        gflops=max(torch_mm, onednn or 0.0, nanoengine or 0.0),
         size=size,
         threads=torch.get_num_threads(),
         torch_mm_gflops=torch_mm,
         onednn_gflops=onednn,
+        nanoengine_gflops=nanoengine,
     )
 
 
 def describe_matmul_paths(roofline: Roofline) -> str:
-    """"torch.mm 207 GFLOP/s, oneDNN prepacked 466 GFLOP/s": both paths, one line."""
-    text = f"torch.mm {roofline.torch_mm_gflops:.0f} GFLOP/s"
-    if roofline.onednn_gflops is not None:
-        text += f", oneDNN prepacked {roofline.onednn_gflops:.0f} GFLOP/s"
-    return text
+    """ "torch.mm 207 GFLOP/s, oneDNN prepacked 466 GFLOP/s, ...": every path, one line."""
+    return ", ".join(f"{name} {gflops:.0f} GFLOP/s" for name, gflops in roofline.paths().items())
 
 
 def measure_memory_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -146,7 +166,14 @@ def extras_table(
     from rich.table import Table
 
     table = Table(title=f"Latency and roofline share (fp32 GEMM roofline {roofline.gflops:.1f} GFLOP/s)")
-    for column in ("workload", "system", "TTFT median ms", "TPOT median ms", "model GFLOP/s", "roofline share"):
+    for column in (
+        "workload",
+        "system",
+        "TTFT median ms",
+        "TPOT median ms",
+        "model GFLOP/s",
+        "roofline share",
+    ):
         table.add_column(column, justify="left" if column in ("workload", "system") else "right")
     for workload, system, seconds, gflop in rows:
         achieved = gflop / seconds

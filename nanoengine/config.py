@@ -29,8 +29,9 @@ class ModelConfig:
     # Chapter 7: "auto" picks Triton on CUDA and the C++ kernels ("cpu") on a CPU;
     # "cpu" also switches RMSNorm, RoPE and SiLU-and-mul to their C++ kernels.
     attention_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
-    # Chapter 7: "auto" prepacks the linear weights for oneDNN on a CPU, else F.linear.
-    linear_backend: Literal["auto", "torch", "onednn"] = "auto"
+    # Chapter 7: "auto" prepacks the linear weights on a CPU (nanoengine's GEMM with
+    # AVX-512 in fp32, else oneDNN), else F.linear.
+    linear_backend: Literal["auto", "torch", "onednn", "cpu"] = "auto"
     # Chapter 7: True keeps every step eager (no CUDA graphs).
     enforce_eager: bool = False
     # Decode batch sizes captured as CUDA graphs; None = the default ladder.

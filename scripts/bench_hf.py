@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+from bench_child import check_lengths
 from transformers import AutoModelForCausalLM
 
 
@@ -20,14 +21,6 @@ class WorkloadLike(Protocol):
     name: str
     prompts: list[list[int]]
     max_tokens: list[int]
-
-
-def check_lengths(system: str, tokens: list[list[int]], wanted: list[int]) -> None:
-    """A system that returns fewer tokens than asked would look faster than it is."""
-    for i, (got, want) in enumerate(zip(tokens, wanted)):
-        if len(got) != want:
-            raise RuntimeError(f"{system}: request {i} produced {len(got)} tokens, expected {want}")
-
 
 
 class HFSystem:

@@ -92,25 +92,27 @@ def dense_reference(seq: Sequence, start: int, end: int, scale: float) -> torch.
     return (scores.softmax(-1) @ v).transpose(0, 1).float()  # [n, Hq, D]
 
 
-def make_sequences(lengths: list[int], num_heads: int, num_kv_heads: int) -> list[Sequence]:
+def make_sequences(
+    lengths: list[int], num_heads: int, num_kv_heads: int, head_dim: int = HEAD_DIM
+) -> list[Sequence]:
     blocks = allocate_blocks(lengths, BLOCK_SIZE, NUM_BLOCKS)
     return [
         Sequence(
-            torch.randn(n, num_heads, HEAD_DIM),
-            torch.randn(n, num_kv_heads, HEAD_DIM),
-            torch.randn(n, num_kv_heads, HEAD_DIM),
+            torch.randn(n, num_heads, head_dim),
+            torch.randn(n, num_kv_heads, head_dim),
+            torch.randn(n, num_kv_heads, head_dim),
             b,
         )
         for n, b in zip(lengths, blocks)
     ]
 
 
-def garbage_cache(num_kv_heads: int) -> torch.Tensor:
+def garbage_cache(num_kv_heads: int, head_dim: int = HEAD_DIM) -> torch.Tensor:
     # Large finite garbage everywhere (the engine's cache is zero-filled and only
     # finite K/V are written, so slots are never NaN): any unwritten or foreign slot
     # that leaks into a result moves it far from the dense reference.
     generator = torch.Generator().manual_seed(1234)
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim)
     return torch.randn(shape, generator=generator) * 1e3
 
 
@@ -153,20 +155,25 @@ def run_step(seqs: list[Sequence], steps: list[tuple[int, int]], kv_cache: torch
 
 
 def run_against_reference(
-    fast: AttentionImpl, seqs: list[Sequence], steps: list[tuple[int, int]], caches: tuple[torch.Tensor, torch.Tensor]
+    fast: AttentionImpl,
+    seqs: list[Sequence],
+    steps: list[tuple[int, int]],
+    caches: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
     """One batch through the reference (on caches[0]) and a fast backend (on
     caches[1]): outputs, written caches and the dense answer must all agree."""
     batch = step_batch(seqs, steps)
     chosen, num_new, md = batch.chosen, batch.num_new, batch.md
-    scale = HEAD_DIM**-0.5
+    scale = batch.q.shape[-1] ** -0.5
     ref = TorchRefAttentionImpl().forward(batch.q, batch.k, batch.v, caches[0], md, scale)
     got = fast.forward(batch.q, batch.k, batch.v, caches[1], md, scale)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
     for row, (s, n) in enumerate(zip(chosen, num_new)):
         rows = got[md.query_start_loc_cpu[row] : md.query_start_loc_cpu[row + 1]]
-        torch.testing.assert_close(rows, dense_reference(s, s.computed, s.computed + n, scale), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            rows, dense_reference(s, s.computed, s.computed + n, scale), atol=1e-5, rtol=1e-4
+        )
         s.computed += n
     return got
 

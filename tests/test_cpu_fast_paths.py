@@ -8,8 +8,9 @@
   SiLU-and-mul kernels must give what the layers' plain torch code gives.
 * and two things asked of the OS: the KV cache stays on 4 KiB pages, and every
   worker call runs on the one forward thread.
-* ``linear_backend="onednn"``: weights prepacked for oneDNN must give
-  ``F.linear``'s result, layer by layer and as whole-model logits.
+* ``linear_backend="onednn"`` and ``"cpu"``: weights prepacked for oneDNN or
+  for nanoengine's C++ GEMM must give ``F.linear``'s result, layer by layer and
+  as whole-model logits.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from nanoengine.attention.backends.torch_ref import TorchRefAttentionImpl, gathe
 from nanoengine.attention.selector import resolve_backend_name
 from nanoengine.model_executor.custom_op import CustomOp, enable_cpu_kernels
 from nanoengine.model_executor.layers.activation import SiluAndMul
-from nanoengine.model_executor.layers.cpu_linear import onednn_available, resolve_linear_backend
+from nanoengine.model_executor.layers.cpu_linear import cpu_linear, onednn_available, resolve_linear_backend
 from nanoengine.model_executor.layers.layernorm import RMSNorm
 from nanoengine.model_executor.layers.linear import QKVLinear
 from nanoengine.model_executor.layers.rotary_embedding import RotaryEmbedding, default_inv_freq
@@ -74,6 +75,23 @@ def test_chunked_prefill_and_mixed_batch_match_reference() -> None:
 
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4)])
+def test_prefill_kernel_tiles_chunks_and_mixed_batches(
+    head_dim: int, num_heads: int, num_kv_heads: int
+) -> None:
+    """64 and 128 take the tiled C++ prefill, 40 (not a multiple of 32) the reference."""
+    # 23 and 37-token prefills: several 12-row tiles and 32-key score chunks per
+    # request; the second step decodes request 1, continues request 0 from a
+    # cached context of 23 tokens, and prefills request 2.
+    seqs = make_sequences([40, 38, 20], num_heads, num_kv_heads, head_dim)
+    cache = garbage_cache(num_kv_heads, head_dim)
+    caches = (cache.clone(), cache.clone())
+    run_against_reference(CPUAttentionImpl(), seqs, [(0, 23), (1, 37)], caches)
+    run_against_reference(CPUAttentionImpl(), seqs, [(1, 1), (0, 17), (2, 20)], caches)
+    assert load_cpu_ops().paged_prefill_supports(head_dim) == (head_dim % 32 == 0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4)])
 def test_decode_kernel_specialised_head_sizes(head_dim: int, num_heads: int, num_kv_heads: int) -> None:
     """64 and 128 take the compile-time-sized path, 40 the generic one."""
     num_blocks, block_size = 80, 16
@@ -88,7 +106,11 @@ def test_decode_kernel_specialised_head_sizes(head_dim: int, num_heads: int, num
         keys = gather_kv(cache[0], table[b])[:length]  # [len, Hkv, D]
         values = gather_kv(cache[1], table[b])[:length]
         want = F.scaled_dot_product_attention(
-            query[b][:, None], keys.transpose(0, 1), values.transpose(0, 1), scale=head_dim**-0.5, enable_gqa=True
+            query[b][:, None],
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            scale=head_dim**-0.5,
+            enable_gqa=True,
         )[:, 0]
         torch.testing.assert_close(out[b], want, atol=1e-5, rtol=1e-4)
 
@@ -104,7 +126,9 @@ def test_write_kernel_matches_reference_and_skips_padding() -> None:
     assert torch.equal(cache, want)
 
 
-def test_auto_backend_is_cpu_here_and_falls_back_when_the_build_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_backend_is_cpu_here_and_falls_back_when_the_build_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert resolve_backend_name("auto", torch.device("cpu")) == "cpu"
     assert resolve_backend_name("auto", torch.device("cpu"), torch.bfloat16) == "torch"
     with pytest.raises(ValueError, match="float32"):
@@ -195,33 +219,49 @@ def test_silu_and_mul_kernel_matches_torch() -> None:
 # ---- linear ----------------------------------------------------------------
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+# Both packed paths; "cpu" is nanoengine's GEMM (the module needs its kernels anyway).
+PACKED_BACKENDS = [pytest.param("onednn", marks=needs_onednn), "cpu"]
 
 
-@needs_onednn
+@pytest.mark.parametrize("backend", PACKED_BACKENDS)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 7, 64])
-def test_onednn_linear_matches_f_linear(bias: bool, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 7, 13, 64])
+def test_packed_linear_matches_f_linear(backend: str, bias: bool, rows: int) -> None:
+    # 80 output columns: two full 32-column panels of the C++ GEMM and a partial
+    # one; 13 rows: a full 12-row register tile and a 1-row tail.
     layer = QKVLinear(hidden_size=48, head_dim=8, num_heads=6, num_kv_heads=2, bias=bias)
     torch.nn.init.normal_(layer.weight)
     if layer.bias is not None:
         torch.nn.init.normal_(layer.bias)
     x = torch.randn(rows, 48)
     want = layer(x)
-    layer.use_onednn()
-    assert layer.packed and "onednn" in layer.extra_repr()
+    layer.pack(backend)
+    assert layer.packed and backend in layer.extra_repr()
     torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-5)
     assert layer(x[:, None, :]).shape == (rows, 1, 48 + 2 * 16)  # any leading dims
+    torch.testing.assert_close(layer(x.t().contiguous().t()), want, atol=1e-4, rtol=1e-5)  # strided rows
 
 
-@needs_onednn
-def test_tied_lm_head_packs_its_own_copy() -> None:
+def test_cpu_gemm_large_products_cross_its_row_blocks() -> None:
+    # K = 1536 makes a row block 36 rows (256 KB of x), so 100 rows take three
+    # blocks: the outer loop of packed_linear, not only its tiles, is exercised.
+    weight, x = torch.randn(70, 1536), torch.randn(100, 1536)
+    packed = load_cpu_ops().pack_linear_weight(weight)
+    assert packed.shape == (3, 1536, 32)
+    torch.testing.assert_close(cpu_linear(x, packed, None, 70), x @ weight.t(), atol=1e-3, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="must share K"):
+        cpu_linear(torch.randn(2, 1535), packed, None, 70)
+
+
+@pytest.mark.parametrize("backend", PACKED_BACKENDS)
+def test_tied_lm_head_packs_its_own_copy(backend: str) -> None:
     embedding = VocabEmbedding(100, 16)
     torch.nn.init.normal_(embedding.weight)
     head = LMHead(100, 16, tied_to=embedding)
     hidden = torch.randn(3, 16)
     want = head(hidden)
     plain = embedding.weight.detach().clone()
-    head.use_onednn()
+    head.pack(backend)
     assert head.weight is not embedding.weight and torch.equal(embedding.weight, plain)
     torch.testing.assert_close(head(hidden), want, atol=1e-4, rtol=1e-5)
 
@@ -229,31 +269,38 @@ def test_tied_lm_head_packs_its_own_copy() -> None:
 @needs_onednn
 def test_resolve_linear_backend() -> None:
     cpu = torch.device("cpu")
-    assert resolve_linear_backend("auto", cpu, torch.float32) == "onednn"
+    wide = load_cpu_ops().packed_linear_has_wide_vectors()
+    assert resolve_linear_backend("auto", cpu, torch.float32) == ("cpu" if wide else "onednn")
+    assert resolve_linear_backend("auto", cpu, torch.bfloat16) == "onednn"
     assert resolve_linear_backend("auto", cpu, torch.float16) == "torch"
     assert resolve_linear_backend("torch", cpu, torch.float32) == "torch"
     with pytest.raises(ValueError, match="float16"):
         resolve_linear_backend("onednn", cpu, torch.float16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        resolve_linear_backend("cpu", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         resolve_linear_backend("mkl", cpu, torch.float32)
 
 
-@needs_onednn
+@pytest.mark.parametrize("backend", PACKED_BACKENDS)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_onednn_model_logits_match_torch_model(family: str, tiny_model_factory: Callable[..., str]) -> None:
+def test_packed_model_logits_match_torch_model(
+    backend: str, family: str, tiny_model_factory: Callable[..., str]
+) -> None:
     path = tiny_model_factory(family)
     config = AutoConfig.from_pretrained(path)
     models = {
-        backend: get_model(path, config, torch.float32, torch.device("cpu"), backend)
-        for backend in ("torch", "onednn")
+        name: get_model(path, config, torch.float32, torch.device("cpu"), name) for name in ("torch", backend)
     }
     hidden = torch.randn(5, config.hidden_size)
-    logits = {backend: model.compute_logits(hidden) for backend, model in models.items()}
-    torch.testing.assert_close(logits["onednn"], logits["torch"], atol=1e-4, rtol=1e-5)
-    packed = [m for m in models["onednn"].modules() if getattr(m, "packed", False)]
+    logits = {name: model.compute_logits(hidden) for name, model in models.items()}
+    torch.testing.assert_close(logits[backend], logits["torch"], atol=1e-4, rtol=1e-5)
+    packed = [m for m in models[backend].modules() if getattr(m, "packed", False)]
     assert len(packed) == 4 * config.num_hidden_layers + 1  # qkv, o, gate_up, down per layer + LM head
     # TorchRefAttentionImpl is what a model uses until the runner picks a backend.
-    assert all(isinstance(m.impl, TorchRefAttentionImpl) for m in models["onednn"].modules() if hasattr(m, "impl"))
+    assert all(
+        isinstance(m.impl, TorchRefAttentionImpl) for m in models[backend].modules() if hasattr(m, "impl")
+    )
 
 
 # ---- what the OS is asked for ------------------------------------------------

@@ -52,7 +52,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
     attention_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
-    linear_backend: Literal["auto", "torch", "onednn"] = "auto"
+    linear_backend: Literal["auto", "torch", "onednn", "cpu"] = "auto"
     cudagraph_capture_sizes: list[int] | None = None
     # Chapter 7: overlap the next step's scheduling with this step's forward pass.
     async_scheduling: bool = False

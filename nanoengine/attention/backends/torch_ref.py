@@ -88,20 +88,20 @@ class TorchRefAttentionImpl:
             # A pure decode batch with no padding, the common step: no output
             # buffer to zero and copy into.
             return self._decode_batch(query, kv_cache, attn_metadata, scale)
-        output = torch.zeros_like(query)
+        # Dense [T, Hq, D] (query is usually a strided view of the qkv output):
+        # a kernel may write its rows through plain offsets.
+        output = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
         if num_decodes > 0:
             # Decodes come first and own exactly one row each: rows 0 .. num_decodes-1.
             output[:num_decodes] = self._decode_batch(query[:num_decodes], kv_cache, attn_metadata, scale)
-        qsl = attn_metadata.query_start_loc_cpu
-        for i in range(num_decodes, attn_metadata.num_reqs):
-            start, end = qsl[i], qsl[i + 1]
-            output[start:end] = self._prefill_one(query[start:end], kv_cache, attn_metadata, i, scale)
+        if num_decodes < attn_metadata.num_reqs:
+            self._prefill_batch(output, query, kv_cache, attn_metadata, scale)
         return output
 
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Store this step's K/V; a faster backend may override (and ``_decode_batch``)."""
+        """Store this step's K/V; a faster backend may override it (and the two below)."""
         write_to_kv_cache(key, value, kv_cache, slot_mapping)
 
     def _decode_batch(
@@ -128,6 +128,20 @@ class TorchRefAttentionImpl:
             enable_gqa=True,
         )
         return out[:, :, 0, :]  # [num_decodes, Hq, D]
+
+    def _prefill_batch(
+        self,
+        output: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+    ) -> None:
+        """Fill the rows of every prefill request (those after the decodes) of ``output``."""
+        qsl = md.query_start_loc_cpu
+        for i in range(md.num_decodes, md.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
+            output[start:end] = self._prefill_one(query[start:end], kv_cache, md, i, scale)
 
     def _prefill_one(
         self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, req: int, scale: float

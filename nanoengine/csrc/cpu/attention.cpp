@@ -14,10 +14,12 @@
 // bytes once instead of three times. Built with the other CPU kernels by
 // nanoengine/_custom_ops.py; bindings.cpp exposes them to Python.
 #include "ops.h"
+#include "paged.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -49,42 +51,99 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
   }
 }
 
-// The keys one query head sees, visited block by block in place: pass 1 turns
-// them into softmax weights, pass 2 sums the matching value rows.
-// HEAD_DIM is a compile-time constant for the common sizes, so the dot product
-// and the [HEAD_DIM] accumulator unroll into a few vector registers; 0 means
-// "read head_dim at run time" (any other size).
-template <int HEAD_DIM>
-void attend_one_head(float* out, const float* q, const float* kc, const float* vc, const int32_t* blocks,
-                     int64_t len, int64_t block_size, int64_t row_stride, int64_t runtime_dim, float scale,
-                     std::vector<float>& probs, std::vector<float>& acc) {
-  const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_dim;
-  probs.resize(len);
+// NH query heads that share one KV head (a GQA group, or a slice of one),
+// head_dim = VECS * 16. Pass 1 reads each key row once for all NH heads and
+// keeps one score per head and token; pass 2 reads each value row once and
+// adds it into NH * VECS accumulator registers. Reading the K/V bytes is the
+// cost that matters (they come from DRAM); everything else stays in registers.
+// q/out: NH consecutive heads of VECS * 16 floats. scores: >= NH * len floats.
+template <int VECS, int NH>
+void attend_head_group(float* out, const float* q, const PagedRows& keys, const PagedRows& values, float scale,
+                       float* scores) {
+  constexpr int kDim = VECS * kLanes;
+  const int64_t len = keys.len;
+  FloatVec qv[NH][VECS];
+  for (int h = 0; h < NH; ++h)
+    for (int j = 0; j < VECS; ++j) qv[h][j] = load_vec(q + h * kDim + j * kLanes);
+  float max_score[NH];
+  for (int h = 0; h < NH; ++h) max_score[h] = -INFINITY;
+  for_each_row(keys, kDim, [&](int64_t t, const float* k) {
+    FloatVec kv[VECS];
+    for (int j = 0; j < VECS; ++j) kv[j] = load_vec(k + j * kLanes);
+    for (int h = 0; h < NH; ++h) {
+      FloatVec prod = qv[h][0] * kv[0];
+      for (int j = 1; j < VECS; ++j) prod += qv[h][j] * kv[j];
+      const float s = horizontal_sum(prod) * scale;
+      scores[h * len + t] = s;
+      max_score[h] = std::max(max_score[h], s);
+    }
+  });
+  // Softmax numerators, subtracting each head's max so exp never overflows.
+  float inv_sum[NH];
+  for (int h = 0; h < NH; ++h) inv_sum[h] = 1.f / exp_and_sum(scores + h * len, len, max_score[h]);
+  FloatVec acc[NH][VECS] = {};
+  for_each_row(values, kDim, [&](int64_t t, const float* v) {
+    FloatVec vv[VECS];
+    for (int j = 0; j < VECS; ++j) vv[j] = load_vec(v + j * kLanes);
+    for (int h = 0; h < NH; ++h) {
+      const float w = scores[h * len + t];
+      for (int j = 0; j < VECS; ++j) acc[h][j] += w * vv[j];
+    }
+  });
+  for (int h = 0; h < NH; ++h)
+    for (int j = 0; j < VECS; ++j) {
+      const FloatVec result = acc[h][j] * inv_sum[h];
+      std::memcpy(out + h * kDim + j * kLanes, &result, sizeof(result));
+    }
+}
+
+// Any head_dim: one query head at a time, plain loops the compiler vectorises.
+void attend_one_head(float* out, const float* q, const PagedRows& keys, const PagedRows& values, int64_t dim,
+                     float scale, float* scores) {
   float max_score = -INFINITY;
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
-    const float s = dot(q, kc + slot * row_stride, dim) * scale;
-    probs[t] = s;
-    max_score = std::max(max_score, s);
-  }
-  // Softmax, subtracting the max so exp never overflows.
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < len; ++t) {
-    probs[t] = std::exp(probs[t] - max_score);
-    sum += probs[t];
-  }
-  acc.assign(dim, 0.f);
-  float* a = acc.data();
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
-    const float* v = vc + slot * row_stride;
-    const float w = probs[t];
+  for_each_row(keys, dim, [&](int64_t t, const float* k) {
+    scores[t] = dot(q, k, dim) * scale;
+    max_score = std::max(max_score, scores[t]);
+  });
+  const float inv_sum = 1.f / exp_and_sum(scores, keys.len, max_score);
+  std::fill(out, out + dim, 0.f);
+  for_each_row(values, dim, [&](int64_t t, const float* v) {
+    const float w = scores[t];
 #pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) a[d] += w * v[d];
+    for (int64_t d = 0; d < dim; ++d) out[d] += w * v[d];
+  });
+  for (int64_t d = 0; d < dim; ++d) out[d] *= inv_sum;
+}
+
+// Query heads [first_head, first_head + num_heads) of one request, all reading
+// the same KV head. Picks the register-blocked kernel when head_dim is 64 or
+// 128: up to 16 accumulator vectors (4 heads of 64, or 2 of 128) fit in the
+// 32 registers AVX-512 has, with room for the K/V row and the query.
+void attend_heads(float* out, const float* q, int64_t head_dim, int64_t num_heads, const PagedRows& keys,
+                  const PagedRows& values, float scale, float* scores) {
+  if (head_dim != 64 && head_dim != 128) {
+    for (int64_t h = 0; h < num_heads; ++h)
+      attend_one_head(out + h * head_dim, q + h * head_dim, keys, values, head_dim, scale, scores);
+    return;
   }
-  const float inv_sum = 1.f / sum;
-  for (int64_t d = 0; d < dim; ++d) out[d] = a[d] * inv_sum;
+  const int64_t chunk = head_dim == 64 ? 4 : 2;
+  for (int64_t h = 0; h < num_heads; h += chunk) {
+    float* o = out + h * head_dim;
+    const float* qh = q + h * head_dim;
+    const int64_t n = std::min(chunk, num_heads - h);
+    if (head_dim == 128) {
+      if (n == 2) attend_head_group<8, 2>(o, qh, keys, values, scale, scores);
+      else attend_head_group<8, 1>(o, qh, keys, values, scale, scores);
+    } else if (n == 4) {
+      attend_head_group<4, 4>(o, qh, keys, values, scale, scores);
+    } else if (n == 3) {
+      attend_head_group<4, 3>(o, qh, keys, values, scale, scores);
+    } else if (n == 2) {
+      attend_head_group<4, 2>(o, qh, keys, values, scale, scores);
+    } else {
+      attend_head_group<4, 1>(o, qh, keys, values, scale, scores);
+    }
+  }
 }
 
 // One query token per request. query/out [B, Hq, D]; caches
@@ -112,27 +171,28 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   const float* vc = value_cache.data_ptr<float>();
   float* o_all = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  auto attend = head_dim == 64    ? attend_one_head<64>
-                : head_dim == 128 ? attend_one_head<128>
-                                  : attend_one_head<0>;
 
-  // One work item = one request, all its heads. A request's K/V (a few hundred
-  // KB) stays in this core's L2 while its heads take turns reading it, so the
-  // G query heads of a GQA group re-read their shared KV head from cache, not DRAM.
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs, acc;
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = lens[b];
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* o = o_all + (b * num_heads + h) * head_dim;
-        if (len <= 0) {
-          std::fill(o, o + head_dim, 0.f);
-          continue;
-        }
-        const int64_t kv_offset = (h / group) * head_dim;  // this head's slice of a token row
-        attend(o, q_all + (b * num_heads + h) * head_dim, kc + kv_offset, vc + kv_offset, table + b * table_stride,
-               len, block_size, row_stride, head_dim, fscale, probs, acc);
-      }
+  // One work item = one request, all its heads, KV head by KV head: the G
+  // query heads of a group read only that head's slice of each cached row, and
+  // the slices of the other heads (neighbours in the same rows) are then still
+  // in this core's L2, fetched by the hardware prefetcher along with the first.
+  std::vector<int64_t> cost(batch);
+  for (int64_t b = 0; b < batch; ++b) cost[b] = lens[b];
+  const int64_t max_len = batch > 0 ? std::max<int64_t>(*std::max_element(lens, lens + batch), 0) : 0;
+  run_longest_first(cost, [&](std::vector<float>& scores, int64_t b) {
+    const int64_t len = lens[b];
+    float* o = o_all + b * num_heads * head_dim;
+    if (len <= 0) {
+      std::fill(o, o + num_heads * head_dim, 0.f);
+      return;
+    }
+    scores.resize(max_len * group);
+    const int32_t* blocks = table + b * table_stride;
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+      const int64_t offset = (b * num_heads + kv_head * group) * head_dim;
+      const PagedRows keys{kc + kv_head * head_dim, blocks, block_size, row_stride, len};
+      const PagedRows values{vc + kv_head * head_dim, blocks, block_size, row_stride, len};
+      attend_heads(o_all + offset, q_all + offset, head_dim, group, keys, values, fscale, scores.data());
     }
   });
 }

@@ -11,6 +11,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("reshape_and_cache", &reshape_and_cache, "Write K/V rows into their cache slots", no_gil);
   m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache", no_gil);
+  m.def("paged_prefill_supports", &paged_prefill_supports, "Whether paged_prefill_attention takes this head_dim");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "Causal attention of requests first_req.. over a paged KV cache", no_gil);
+  m.def("pack_linear_weight", &pack_linear_weight, "[out, in] -> [ceil(out/32), in, 32] panels", no_gil);
+  m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) with a weight from pack_linear_weight", no_gil);
+  m.def("packed_linear_has_wide_vectors", &packed_linear_has_wide_vectors,
+        "Built for AVX-512 (32 vector registers), the register tiling the GEMM assumes");
   m.def("rms_norm", &rms_norm, "out = RMSNorm(input) * weight", no_gil);
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += input; input = RMSNorm(residual) * weight",
         no_gil);

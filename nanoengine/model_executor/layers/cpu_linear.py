@@ -1,4 +1,4 @@
-"""oneDNN prepacked matmuls: the CPU fast path of every ``Linear`` and the LM head.
+"""Prepacked matmuls: the CPU fast paths of every ``Linear`` and the LM head.
 
 Chapter 7 (where a CPU step spends its time: almost all of it in these matmuls);
 chapter 2 measures the roofline they are compared against.
@@ -7,18 +7,25 @@ vLLM 0.32 counterpart: ``dispatch_cpu_unquantized_gemm`` in
 process_weights_after_loading`` (``vllm/model_executor/layers/linear.py``) calls
 once the checkpoint is loaded; it hands x86 CPUs to a oneDNN matmul the same way.
 
-Why a second matmul path at all? ``F.linear`` on a CPU build of torch goes to a
+Why other matmul paths at all? ``F.linear`` on a CPU build of torch goes to a
 BLAS ``sgemm`` that re-reads the weight in its plain [out, in] layout on every
-call. oneDNN can instead *reorder* the weight once, at load time, into the blocked
-layout its AVX-512 micro-kernel streams through, and then every call skips that
-work. On the 2-core AMD EPYC these notes were measured on, the same fp32 product
-ran at about 120-200 GFLOP/s through ``F.linear`` and 350-470 GFLOP/s through
-the prepacked weight (``scripts/bench.py`` prints both rooflines side by side).
+call. A weight can instead be *reordered* once, at load time, into a blocked
+layout a micro-kernel streams through, and then every call skips that work.
+Two such paths exist (``linear_backend``):
+
+* ``"onednn"``: oneDNN's reorder and matmul, vLLM's choice. On the 2-core AMD
+  EPYC these notes were measured on, ~470 GFLOP/s on a large fp32 product
+  (``F.linear``: ~200), but only ~270 at the 32 rows of a decode batch.
+* ``"cpu"``: nanoengine's own kernel (``csrc/cpu/gemm.cpp``), written for
+  exactly that decode case: it prefetches the weight stream ahead of the
+  arithmetic and reaches ~400 GFLOP/s at 32 rows, ~460 on large products.
+  fp32 only; ``"auto"`` picks it on a CPU with AVX-512, the register file its
+  tiling assumes, and oneDNN elsewhere.
 
 The reference stays: ``linear_backend="torch"`` keeps ``F.linear`` everywhere,
-and the tests compare both paths on the same weights. The results agree to
-fp32 rounding (the two libraries sum the products in different orders), which
-is why greedy tokens still match HF transformers token for token.
+and the tests compare every path on the same weights. The results agree to
+fp32 rounding (each path sums the products in its own order), which is why
+greedy tokens still match HF transformers token for token.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LINEAR_BACKENDS = ("auto", "torch", "onednn")
+from nanoengine._custom_ops import cpu_ops_available, load_cpu_ops
+
+LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpu")
 # Dtypes oneDNN prepacks on a CPU without special hardware; others use F.linear.
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN picks its blocking for this many rows; any row count still works.
@@ -45,20 +54,32 @@ def onednn_available() -> bool:
     )
 
 
+def cpu_gemm_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """nanoengine's C++ GEMM can run here: a CPU, fp32, and the kernels built."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu_ops_available()
+
+
 def resolve_linear_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto" becomes "onednn" on a CPU whose torch has it (fp32/bf16), else "torch"."""
+    """ "auto" -> "cpu" (AVX-512, fp32), else "onednn" (CPU, fp32/bf16), else "torch"."""
     if requested not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {requested!r}.")
-    usable = device.type == "cpu" and dtype in _ONEDNN_DTYPES and onednn_available()
-    if requested == "onednn" and not usable:
+    onednn_usable = device.type == "cpu" and dtype in _ONEDNN_DTYPES and onednn_available()
+    if requested == "onednn" and not onednn_usable:
         raise ValueError(
             f"linear_backend='onednn' needs a CPU device, dtype float32 or bfloat16 and a torch "
             f"built with oneDNN; got device={device.type}, dtype={dtype}, "
             f"oneDNN available={onednn_available()}."
         )
-    if requested == "auto":
-        return "onednn" if usable else "torch"
-    return requested
+    if requested == "cpu" and not cpu_gemm_usable(device, dtype):
+        raise ValueError(
+            f"linear_backend='cpu' needs a CPU device, dtype float32 and nanoengine's C++ kernels; "
+            f"got device={device.type}, dtype={dtype}."
+        )
+    if requested != "auto":
+        return requested
+    if cpu_gemm_usable(device, dtype) and load_cpu_ops().packed_linear_has_wide_vectors():
+        return "cpu"
+    return "onednn" if onednn_usable else "torch"
 
 
 def pack_weight(weight: torch.Tensor) -> nn.Parameter:
@@ -81,8 +102,20 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def cpu_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """``x @ W^T + b`` with a weight from ``pack_linear_weight`` (csrc/cpu/gemm.cpp).
+
+    x [..., in] -> [..., out_features]; packed [ceil(out / 32), in, 32].
+    """
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # [num_rows, in], dense rows
+    out = load_cpu_ops().packed_linear(rows, packed, bias, out_features)
+    return out.view(*x.shape[:-1], out_features)
+
+
 class PackableLinear(nn.Module):
-    """A module with a [out, in] ``weight`` that can switch to the prepacked path.
+    """A module with a [out, in] ``weight`` that can switch to a prepacked path.
 
     ``Linear`` and ``LMHead`` inherit it; ``forward`` code calls ``self.matmul``
     and never needs to know which path runs.
@@ -90,17 +123,34 @@ class PackableLinear(nn.Module):
 
     weight: nn.Parameter
     bias: nn.Parameter | None
-    packed: bool = False
+    backend: str = "torch"  # "torch" (plain weight), "onednn" or "cpu" (packed)
+    out_features: int = 0  # set by pack(): a packed weight's shape no longer says it
 
-    def use_onednn(self) -> None:
-        """Replace ``weight`` by its prepacked copy; the plain one is dropped so
-        the weights are not held twice. A tied LM head gets a packed copy of its
-        own, while the embedding keeps the plain matrix for its row lookups."""
-        self.weight = pack_weight(self.weight)
-        self.packed = True
+    @property
+    def packed(self) -> bool:
+        return self.backend != "torch"
+
+    def pack(self, backend: str) -> None:
+        """Replace ``weight`` by its copy prepacked for ``backend``; the plain one
+        is dropped so the weights are not held twice. A tied LM head gets a
+        packed copy of its own, while the embedding keeps the plain matrix for
+        its row lookups."""
+        self.out_features = int(self.weight.shape[0])
+        weight = self.weight.detach()
+        if backend == "onednn":
+            self.weight = pack_weight(weight)
+        elif backend == "cpu":
+            self.weight = nn.Parameter(
+                load_cpu_ops().pack_linear_weight(weight.contiguous()), requires_grad=False
+            )
+        else:
+            raise ValueError(f"cannot pack a weight for linear_backend={backend!r}")
+        self.backend = backend
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.backend == "cpu":
+            return cpu_linear(x, self.weight, self.bias, self.out_features)
+        if self.backend == "onednn":
             return onednn_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -115,5 +165,5 @@ def process_weights_after_loading(model: nn.Module, backend: str) -> int:
         return 0
     layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
     for layer in layers:
-        layer.use_onednn()
+        layer.pack(backend)
     return len(layers)

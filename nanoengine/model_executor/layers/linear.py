@@ -45,7 +45,7 @@ class Linear(PackableLinear):
     """``y = x @ W^T + b`` with ``W`` of shape [output_size, input_size].
 
     ``matmul`` is ``F.linear`` until ``process_weights_after_loading`` switches
-    the layer to a prepacked oneDNN weight (CPU only, see ``cpu_linear.py``).
+    the layer to a prepacked weight (CPU only, see ``cpu_linear.py``).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
@@ -62,7 +62,7 @@ class Linear(PackableLinear):
         return self.matmul(x)
 
     def extra_repr(self) -> str:
-        packed = ", onednn" if self.packed else ""
+        packed = f", {self.backend}" if self.packed else ""
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}{packed}"
 
 

@@ -9,7 +9,7 @@ on the target device in the target dtype (no throw-away CPU fp32 copy of a big
 model), then stream the checkpoint into it with the model's own
 ``load_weights``. No ``AutoModel``: the module that runs is the one defined in
 ``models/``. Last comes vLLM's ``process_weights_after_loading``: on a CPU the
-linear layers may swap their weights for prepacked oneDNN copies
+linear layers may swap their weights for prepacked copies
 (``layers/cpu_linear.py``).
 """
 
@@ -50,7 +50,7 @@ def get_model(
 ) -> LlamaForCausalLM:
     """The ready-to-run model: weights loaded, in eval mode, gradients off.
 
-    ``linear_backend`` is a resolved name ("torch" or "onednn", see
+    ``linear_backend`` is a resolved name ("torch", "onednn" or "cpu", see
     ``resolve_linear_backend``); "torch" leaves the plain weights in place.
 
     Typed as ``LlamaForCausalLM`` because every supported family is one (Qwen2 and

