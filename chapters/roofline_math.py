@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,6 +31,9 @@ from nanoengine.model_executor.layers.cpu_linear import (
     onednn_linear,
     pack_weight,
 )
+
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -65,12 +69,30 @@ def _best_gflops(matmul: Callable[[], object], size: int, repeats: int) -> float
     return 2 * size**3 / best / 1e9
 
 
+def _on_a_thread_of_its_own(measure: Callable[[], _T]) -> _T:
+    """Run ``measure`` on a short-lived thread and return its result.
+
+    torch's OpenMP runtime keeps a pool of worker threads for every thread that
+    runs parallel work, until that thread exits. Measured on the caller's
+    thread, the GEMMs would leave a second pool behind in a process that then
+    builds an engine (whose forward thread has its own), and with more OpenMP
+    threads than cores GNU OpenMP throttles its idle workers' spinning: the
+    engine ran ~20% slower (chapter 7). A thread that exits takes its pool along.
+    """
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(measure).result()
+
+
 def measure_gemm_roofline(size: int = 2048, repeats: int = 5) -> Roofline:
     """Best of ``repeats`` [size x size] @ [size x size] fp32 products, in GFLOP/s.
 
-    Both matmul paths nanoengine can use are measured and the faster one is the
-    roofline: a share of the slower one would flatter the engine.
+    Every matmul path available is measured and the fastest is the roofline: a
+    share of a slower one would flatter the engine.
     """
+    return _on_a_thread_of_its_own(lambda: _measure_gemm_roofline(size, repeats))
+
+
+def _measure_gemm_roofline(size: int, repeats: int) -> Roofline:
     a = torch.randn(size, size)
     b = torch.randn(size, size)
     torch_mm = _best_gflops(lambda: torch.mm(a, b), size, repeats)
@@ -100,6 +122,10 @@ def describe_matmul_paths(roofline: Roofline) -> str:
 
 def measure_memory_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
     """Best copy bandwidth in GB/s (bytes read + bytes written), a decode step's other limit."""
+    return _on_a_thread_of_its_own(lambda: _measure_memory_bandwidth(num_bytes, repeats))
+
+
+def _measure_memory_bandwidth(num_bytes: int, repeats: int) -> float:
     source = torch.ones(num_bytes // 4)
     target = torch.empty_like(source)
     target.copy_(source)
