@@ -176,9 +176,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   // query heads of a group read only that head's slice of each cached row, and
   // the slices of the other heads (neighbours in the same rows) are then still
   // in this core's L2, fetched by the hardware prefetcher along with the first.
-  std::vector<int64_t> cost(batch);
-  for (int64_t b = 0; b < batch; ++b) cost[b] = lens[b];
-  const int64_t max_len = batch > 0 ? std::max<int64_t>(*std::max_element(lens, lens + batch), 0) : 0;
+  const std::vector<int64_t> cost(lens, lens + batch);
   run_longest_first(cost, [&](std::vector<float>& scores, int64_t b) {
     const int64_t len = lens[b];
     float* o = o_all + b * num_heads * head_dim;
@@ -186,7 +184,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
       std::fill(o, o + num_heads * head_dim, 0.f);
       return;
     }
-    scores.resize(max_len * group);
+    scores.resize(len * group);  // longest first: the first item sizes it once
     const int32_t* blocks = table + b * table_stride;
     for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
       const int64_t offset = (b * num_heads + kv_head * group) * head_dim;
