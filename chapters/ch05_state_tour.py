@@ -44,7 +44,10 @@ from nanoengine.sampling_params import RepetitionDetectionParams, SamplingParams
 # A KV cache of exactly one max_model_len request (plus the null block): several
 # long answers at once cannot all fit, so the scheduler must preempt.
 TOUR_MAX_MODEL_LEN = 256
-TOUR_NUM_BLOCKS = TOUR_MAX_MODEL_LEN // 16 + 1
+# 16-token blocks (not the CPU's default 128), so a cache of a few hundred tokens
+# still has enough blocks to run out of one at a time.
+TOUR_BLOCK_SIZE = 16
+TOUR_NUM_BLOCKS = TOUR_MAX_MODEL_LEN // TOUR_BLOCK_SIZE + 1
 START = "[*]"  # mermaid's name for "before the first state" and "after the last"
 
 # Why each transition happens, in the words of the code that makes it.
@@ -119,6 +122,7 @@ def _engine(model: str, transfer: KVTransferConfig, num_blocks: int) -> LLMEngin
         EngineArgs(
             model=model,
             max_model_len=TOUR_MAX_MODEL_LEN,
+            block_size=TOUR_BLOCK_SIZE,
             num_gpu_blocks_override=num_blocks,
             kv_transfer_config=transfer,
         )

@@ -16,7 +16,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
 def make_engine(model: str, **kwargs: Any) -> LLMEngine:
-    """A tiny-model engine with a small, explicit KV cache (fast to build)."""
+    """A tiny-model engine with a small, explicit KV cache (fast to build).
+
+    16-token blocks (the CUDA default; the CPU's is 128): the tests' prompt
+    lengths are chosen to fill, share and run out of blocks of that size."""
+    kwargs.setdefault("block_size", 16)
     kwargs.setdefault("max_model_len", 256)
     kwargs.setdefault("num_gpu_blocks_override", 64)
     return LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from nanoengine import LLM
+from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.attention.selector import resolve_backend_name
 from nanoengine.worker.memory_probe import PeakMemoryProbe
 from nanoengine.worker.memory_report import render_memory_table
@@ -48,7 +49,9 @@ def test_engine_keeps_the_breakdown_and_is_quiet_by_default(
     assert profile.total_budget_bytes == profile.weights_bytes + profile.peak_activation_bytes + (4 << 20)
     assert report.num_blocks == core.kv_cache_config.num_blocks
     assert report.token_capacity == (report.num_blocks - 1) * report.kv_cache_config.block_size
-    assert report.max_concurrency == pytest.approx((report.num_blocks - 1) / (128 // 16))
+    # The CPU's default 128-token blocks: one max_model_len=128 request takes one block.
+    assert report.kv_cache_config.block_size == 128
+    assert report.max_concurrency == pytest.approx(report.num_blocks - 1)
     assert list(core.startup_timings)[-1] == "compile_or_warm_up_model"
     text = render_memory_table(report)
     assert "peak activations" in text and "max concurrency" in text and "CUDA graphs" not in text
@@ -77,3 +80,9 @@ def test_backend_choice_and_bad_values(tiny_llama: str) -> None:
         LLM(tiny_llama, attention_backend="flash")
     with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
         LLM(tiny_llama, cudagraph_capture_sizes=[0, 4])
+
+
+def test_block_size_defaults_to_128_on_cpu_and_keeps_an_explicit_choice(tiny_llama: str) -> None:
+    assert EngineArgs(model=tiny_llama, device="cpu").create_engine_config().cache_config.block_size == 128
+    explicit = EngineArgs(model=tiny_llama, device="cpu", block_size=32).create_engine_config()
+    assert explicit.cache_config.block_size == 32
