@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from nanoengine import LLM
-from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.attention.selector import resolve_backend_name
+from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.worker.memory_probe import PeakMemoryProbe
 from nanoengine.worker.memory_report import render_memory_table
 
