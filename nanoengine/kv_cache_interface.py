@@ -27,7 +27,8 @@ class FullAttentionSpec:
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one block across all layers: K and V, each
-        [block_size, num_kv_heads, head_dim], per layer."""
+        [block_size, num_kv_heads, head_dim], per layer.
+        """
         per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_size
         return per_layer * self.num_layers
 

@@ -30,7 +30,8 @@ BlockHash = bytes
 
 class RequestStatus(enum.IntEnum):
     """The 12 states of vLLM 0.32, in vLLM's order. The order is load-bearing:
-    every FINISHED_* value sorts after PREEMPTED, so ``is_finished`` is one compare."""
+    every FINISHED_* value sorts after PREEMPTED, so ``is_finished`` is one compare.
+    """
 
     WAITING = enum.auto()
     WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()

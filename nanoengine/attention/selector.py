@@ -26,7 +26,8 @@ def triton_available() -> bool:
 
 def resolve_backend_name(requested: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
     """"auto" becomes "triton" on CUDA when Triton is installed, "cpu" on a CPU
-    when the C++ kernels build (fp32 only), else the "torch" reference."""
+    when the C++ kernels build (fp32 only), else the "torch" reference.
+    """
     if requested not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {requested!r}.")
     if requested == "auto":

@@ -98,7 +98,8 @@ class KVCacheCoordinator(TreeNode):
 
     def uncomputed_cached_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
         """Blocks this request registered in the prefix cache whose tokens are not
-        computed yet: the ones allocated (and hashed) for the step being planned."""
+        computed yet: the ones allocated (and hashed) for the step being planned.
+        """
         first_uncomputed = num_computed_tokens // self.block_size
         num_cached = self.num_cached_block.get(request_id, 0)
         return self.req_to_blocks.get(request_id, [])[first_uncomputed:num_cached]

@@ -192,7 +192,8 @@ class KVCacheManager(TreeNode):
 
     def has_uncomputed_cached_blocks(self, request: Request) -> bool:
         """True when this request hashed blocks this step will only now fill: a
-        newcomer's prefix-cache lookup may already count on them."""
+        newcomer's prefix-cache lookup may already count on them.
+        """
         return bool(self.coordinator.uncomputed_cached_blocks(request.request_id, request.num_computed_tokens))
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:

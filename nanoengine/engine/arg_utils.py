@@ -72,7 +72,8 @@ class EngineArgs:
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
         """Build from ``LLM(model, **kwargs)``; an unknown keyword is a TypeError
-        that lists the accepted ones, instead of being silently ignored."""
+        that lists the accepted ones, instead of being silently ignored.
+        """
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

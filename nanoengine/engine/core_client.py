@@ -26,7 +26,8 @@ class EngineCoreClient(ABC):
     @staticmethod
     def make_client(engine_config: EngineConfig, multiprocess_mode: bool = False) -> EngineCoreClient:
         """Pick a transport. Only the in-process one exists so far (chapter 8 adds
-        the multi-process client behind this same interface)."""
+        the multi-process client behind this same interface).
+        """
         if multiprocess_mode:
             raise ValueError("multiprocess_mode=True is not available yet; use the in-process client.")
         return InprocClient(engine_config)

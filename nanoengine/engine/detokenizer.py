@@ -49,7 +49,8 @@ class IncrementalDetokenizer:
 
     def _find_stop_string(self, new_text_start: int) -> str | None:
         """Search only where a match could newly appear: a stop string may start
-        up to ``len(stop) - 1`` characters before the new text."""
+        up to ``len(stop) - 1`` characters before the new text.
+        """
         for stop in self.stop_strings:
             search_from = max(new_text_start - len(stop) + 1, 0)
             index = self.output_text.find(stop, search_from)

@@ -82,7 +82,8 @@ class InputProcessor(TreeNode):
 
     def _fill_engine_defaults(self, params: SamplingParams, prompt_len: int) -> None:
         """EOS joins the stop ids unless ignored; max_tokens=None means "until the
-        context is full"."""
+        context is full".
+        """
         if not params.ignore_eos:
             params.all_stop_token_ids.update(self.eos_token_ids)
         room = self.model_config.max_model_len - prompt_len

@@ -82,7 +82,8 @@ class LLMEngine(TreeNode):
         streaming: bool = False,
     ) -> None:
         """Queue an already rendered prompt. Every check runs before anything is
-        queued, so a bad request leaves the engine exactly as it was."""
+        queued, so a bad request leaves the engine exactly as it was.
+        """
         if request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use by a live request.")
         if streaming and params.n != 1:

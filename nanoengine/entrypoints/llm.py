@@ -98,7 +98,8 @@ class LLM(TreeNode):
         priority: Sequence[int] | None,
     ) -> list[str]:
         """Add every request, or none: if one fails validation, the ones already
-        added are aborted so the engine is left exactly as it was."""
+        added are aborted so the engine is left exactly as it was.
+        """
         params_list = _broadcast("sampling_params", sampling_params or SamplingParams(), len(rendered))
         priorities = list(priority) if priority is not None else [0] * len(rendered)
         if len(priorities) != len(rendered):

@@ -87,7 +87,8 @@ def compute_slot_mapping(
 
 def build_block_table(states: list[CachedRequestState]) -> torch.Tensor:
     """[num_reqs, max_blocks] int32, padded with 0 (padding is never read: every
-    query's keys stop at its own seq_len)."""
+    query's keys stop at its own seq_len).
+    """
     width = max((len(s.block_ids) for s in states), default=0)
     table = torch.zeros((len(states), max(width, 1)), dtype=torch.int32)
     for row, state in enumerate(states):

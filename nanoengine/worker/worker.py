@@ -130,13 +130,15 @@ class Worker(TreeNode):
 
     def _non_torch_bytes(self) -> int:
         """Device memory in use outside this process's torch allocator (the CUDA
-        context, other processes); it counts against the share all the same."""
+        context, other processes); it counts against the share all the same.
+        """
         free, total = torch.cuda.mem_get_info(self.device)
         return max((total - free) - torch.cuda.memory_reserved(self.device), 0)
 
     def _cuda_budget(self, torch_peak_bytes: int, non_torch_bytes: int) -> int:
         """The utilisation share of the whole GPU, minus what the model and any
-        other process already take."""
+        other process already take.
+        """
         total = torch.cuda.mem_get_info(self.device)[1]
         allowed = int(total * self.engine_config.cache_config.gpu_memory_utilization)
         return max(allowed - torch_peak_bytes - non_torch_bytes, 0)

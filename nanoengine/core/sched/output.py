@@ -40,7 +40,8 @@ class NewRequestData:
 @dataclass
 class CachedRequestData:
     """Running requests the worker already knows: only the deltas travel.
-    The lists are parallel, one entry per request."""
+    The lists are parallel, one entry per request.
+    """
 
     req_ids: list[str] = field(default_factory=list)
     # Blocks appended to each request's table this step (empty list = none).

@@ -134,7 +134,8 @@ class PackableLinear(nn.Module):
         """Replace ``weight`` by its copy prepacked for ``backend``; the plain one
         is dropped so the weights are not held twice. A tied LM head gets a
         packed copy of its own, while the embedding keeps the plain matrix for
-        its row lookups."""
+        its row lookups.
+        """
         self.out_features = int(self.weight.shape[0])
         weight = self.weight.detach()
         if backend == "onednn":

@@ -63,7 +63,8 @@ def num_kv_heads_of(config: PretrainedConfig) -> int:
 def check_full_attention(config: PretrainedConfig) -> None:
     """Refuse sliding-window attention: the paged backends here attend to every
     cached token, which would silently differ from the model once a sequence
-    outgrows the window."""
+    outgrows the window.
+    """
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         # transformers 5 lists the attention kind of every layer (Qwen2/3 do).
@@ -217,7 +218,8 @@ def _name_list(names: Iterable[str], limit: int = 10) -> str:
 class LlamaForCausalLM(nn.Module):
     """The whole model: ``forward`` gives hidden states, ``compute_logits`` turns the
     rows that need sampling into logits (vLLM keeps the two apart so the LM head,
-    the biggest matmul for small models, runs only on those rows)."""
+    the biggest matmul for small models, runs only on those rows).
+    """
 
     @classmethod
     def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:
