@@ -13,17 +13,18 @@ from rich.table import Table
 
 from nanoengine import LLM
 from nanoengine.core.kv_cache_manager import KVCacheManager
-from nanoengine.core.kv_cache_sizing import format_bytes, max_concurrency
+from nanoengine.core.kv_cache_sizing import max_concurrency
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.engine.core import EngineCore
 from nanoengine.utils.component_tree import code_location
+from nanoengine.utils.mem_utils import format_bytes
 
 # Off a terminal (CI logs, pipes) rich would wrap at 80 columns and cut the
 # file:line columns; a wider page keeps the tables whole.
 console = Console(width=None if Console().is_terminal else 160)
 T = TypeVar("T")
 
-# The seed note's two prompts (chapter 1 and 5 use them verbatim).
+# The two prompts of the study notes (chapters 1 and 5 use them verbatim).
 SEED_PROMPTS = ["你好，请用一句话介绍你自己", "写一个把列表倒序的 Python 函数"]
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -71,7 +72,7 @@ def roles_table() -> Table:
 
 def construction_table(llm: LLM) -> Table:
     """What LLM(...) prepared: the construction steps and the KV cache they sized."""
-    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+    core = llm.llm_engine.engine_core.get_engine_core()
     table = Table(title="LLM(...) prepares: construction steps")
     table.add_column("step")
     table.add_column("seconds", justify="right")

@@ -1,6 +1,6 @@
 """Chapter 1 -- quickstart and the three roles.
 
-Runs the seed note's snippet on the live engine, then shows the chapter's two
+Runs the study notes' snippet on the live engine, then shows the chapter's two
 maps: what ``LLM(...)`` prepares (weights, a profiling pass, the KV cache) and
 what ``generate(...)`` runs (the step loop), and where the three roles live.
 
@@ -23,7 +23,7 @@ from nanoengine import LLM, SamplingParams
 def main(argv: list[str] | None = None) -> None:
     args = base_parser(__doc__ or "").parse_args(argv)
 
-    # The seed's code, with only the import changed.
+    # The study notes' code, with only the import changed.
     sampling_params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens, seed=0)
     llm, build_seconds = timed(lambda: LLM(model=args.model))
     outputs, run_seconds = timed(lambda: llm.generate(SEED_PROMPTS, sampling_params, use_tqdm=False))

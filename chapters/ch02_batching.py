@@ -71,7 +71,7 @@ def measure_decode(llm: LLM, batch_size: int, prompt_len: int, steps: int) -> fl
         engine.add_rendered_request(f"b{batch_size}-{i}", engine.renderer.render_prompt(prompt), params)
     durations: list[float] = []
     while engine.has_unfinished_requests():
-        core = engine.engine_core.engine_core  # type: ignore[attr-defined]
+        core = engine.engine_core.get_engine_core()
         running = len(core.scheduler.running)
         start = time.perf_counter()
         engine.step()

@@ -46,11 +46,6 @@ class Ch04Result:
     timeline_paths: list[str]
 
 
-def scheduler_of(llm: LLM) -> Scheduler:
-    """The scheduler under the client (the component tree's path to it)."""
-    return llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined, no-any-return]
-
-
 def block_table(scheduler: Scheduler, request_id: str) -> Table:
     """One request's block table: which tokens each block holds, its hash and ref count."""
     manager = scheduler.kv_cache_manager
@@ -76,7 +71,8 @@ def shared_system_prompt(args: argparse.Namespace, bs: int) -> tuple[list[int], 
     system = token_ids(llm, SYSTEM_TEXT, 3 * bs)
     prompts = [TokensPrompt(prompt_token_ids=system + token_ids(llm, q, bs // 2 + 3)) for q in QUESTIONS]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    engine, scheduler = llm.llm_engine, scheduler_of(llm)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.get_engine_core().scheduler
     # Two arrive together and run one step: the second already shares the
     # first one's full blocks (registered before the forward pass, see allocate_slots).
     engine.add_request("a", prompts[0], params)
@@ -140,7 +136,7 @@ def preemption(args: argparse.Namespace, bs: int) -> tuple[LLM, int, int, int, l
 
 def lru_eviction(llm: LLM, bs: int) -> tuple[list[int], list[int], int]:
     """Experiment 3, on the idle engine of experiment 2: who gets evicted first."""
-    scheduler, trace = scheduler_of(llm), llm.trace
+    scheduler, trace = llm.llm_engine.engine_core.get_engine_core().scheduler, llm.trace
     assert trace is not None and scheduler.reset_prefix_cache()
     params = SamplingParams(temperature=0.0, max_tokens=1)
     first = TokensPrompt(prompt_token_ids=token_ids(llm, SYSTEM_TEXT, 3 * bs + 4))  # 3 full blocks + 4 tokens

@@ -1,18 +1,19 @@
 """Chapter 5 -- the engine skeleton and its source map, printed from the live engine.
 
-The seed note draws the layering LLM -> LLMEngine -> EngineCoreClient ->
+Chapter 5 of the study notes draws the layering LLM -> LLMEngine -> EngineCoreClient ->
 EngineCore -> Scheduler -> KVCacheManager with file:line for every node, and
 walks the 12-state request machine. Here everything is computed from a running
 engine, so it cannot go stale:
 
 1. two maps: what ``LLM(...)`` prepares, what ``generate(...)`` runs (timed);
-2. the layered tree with live file:line beside vLLM 0.32's (and the seed's 0.30);
+2. the layered tree with live file:line beside vLLM 0.32's (and the notes' 0.30);
 3. the three roles and where they live;
 4. ``EngineCore.step()`` on real steps: the grammar bitmask is built while the
    forward pass runs (``execute_model(..., non_block=True)``), then
    ``future.result()`` -- with the overlap measured;
 5. the 12 states, each reached by a real request, and every transition seen;
-6. what changed since the Anatomy blog, and between vLLM 0.30 and 0.32.
+6. what changed since the article "Inside vLLM: Anatomy of a High-Throughput LLM
+   Inference System" (August 2025), and between vLLM 0.30 and 0.32.
 
     python -m chapters.ch05_skeleton [--model DIR] [--no-generate] [--json]
 """
@@ -37,8 +38,7 @@ from chapters.ch05_source_map import (
 )
 from chapters.ch05_state_tour import mermaid, paths_table, run_state_tour, transitions_table
 from nanoengine import LLM, SamplingParams, StructuredOutputsParams
-from nanoengine.engine.core import EngineCore
-from nanoengine.engine.step_timing import StepTiming
+from nanoengine.engine.step_timing import StepTimer, StepTiming
 from nanoengine.request import RequestStatus
 
 PROMPTS = [*SEED_PROMPTS, "Hello", "What is the capital of France?"]
@@ -72,13 +72,10 @@ def states_table() -> Table:
     return table
 
 
-def _engine_core(llm: LLM) -> EngineCore:
-    return llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined, no-any-return]
-
-
 def step_anatomy(llm: LLM, max_tokens: int) -> list[StepTiming]:
     """Run two plain requests and one JSON-constrained one; time every step."""
-    engine, core = llm.llm_engine, _engine_core(llm)
+    engine = llm.llm_engine
+    timer = StepTimer.attach(engine.engine_core.get_engine_core())
     plain = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     structured = plain.clone()
     structured.structured_outputs = StructuredOutputsParams(json=ANSWER_SCHEMA)
@@ -90,14 +87,11 @@ def step_anatomy(llm: LLM, max_tokens: int) -> list[StepTiming]:
         engine.add_rendered_request(
             name, engine.renderer.render_chat([{"role": "user", "content": text}]), params
         )
-    timings: list[StepTiming] = []
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished and output.request_id == "json":
                 console.print(f"structured output (JSON schema): {escape(output.outputs[0].text)!s}")
-        if core.last_step_timing is not None and core.last_step_timing.num_scheduled_tokens > 0:
-            timings.append(core.last_step_timing)
-    return timings
+    return [timing for timing in timer.timings if timing.num_scheduled_tokens > 0]
 
 
 def step_table(timings: list[StepTiming]) -> Table:
@@ -131,13 +125,14 @@ def step_table(timings: list[StepTiming]) -> Table:
 
 
 def what_changed(vllm_map: VllmMap) -> None:
-    """Three changes since the Anatomy blog, then the line drift 0.30 -> 0.32."""
+    """Three changes since the Anatomy of vLLM article, then the line drift 0.30 -> 0.32."""
     console.rule("what changed")
     console.print(
         "1. The renderer is its own component (LLMEngine.renderer): prompts and chat templates are\n"
         "   turned into token ids before the input processor validates them.\n"
         "2. The request machine grew from 3 coarse states to the 12 above: three of them are\n"
-        "   'blocked waiting' states the scheduler consults every step (handle_blocked_waiting_request).\n"
+        "   'blocked waiting' states the scheduler consults every step\n"
+        "   (Scheduler._handle_blocked_waiting_request).\n"
         "3. KVCacheManager talks to the block pool through a KVCacheCoordinator, so layers of different\n"
         "   kinds (full attention, sliding window, MLA, Mamba) can share one cache."
     )

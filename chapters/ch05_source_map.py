@@ -1,8 +1,8 @@
 """Chapter 5's source map: nanoengine's live component tree beside vLLM's.
 
-Every node of ``print(llm)`` has a vLLM counterpart; the seed note typed their
-file:line by hand for vLLM 0.30. ``chapters/data/vllm_0_32_map.json`` records
-them for vLLM 0.32 (and keeps the seed's 0.30 numbers, so the drift between
+Every node of ``print(llm)`` has a vLLM counterpart; chapter 5 of the study notes
+typed their file:line by hand for vLLM 0.30. ``chapters/data/vllm_0_32_map.json`` records
+them for vLLM 0.32 (and keeps the notes' 0.30 numbers, so the drift between
 releases is computed, not remembered). When the ``vllm`` package is importable
 the 0.32 column is recomputed live from it with ``inspect`` and says which
 version it read; otherwise the recorded facts are used.
@@ -179,9 +179,11 @@ def source_map_table(llm: object, vllm_map: VllmMap) -> Table:
     """One row per tree node: nanoengine's live file:line beside vLLM's."""
     origin = "read live from the installed vllm" if vllm_map.live else "recorded in chapters/data"
     table = Table(
-        title=f"Source map: nanoengine (live) vs vLLM {vllm_map.version} ({origin}) vs the seed's {vllm_map.seed_version}"
+        title=f"Source map: nanoengine (live) vs vLLM {vllm_map.version} ({origin})"
+        f" vs the study notes' {vllm_map.seed_version}"
     )
-    for column in ("component", "nanoengine", f"vLLM {vllm_map.version}", f"seed {vllm_map.seed_version}"):
+    notes_column = f"study notes {vllm_map.seed_version}"
+    for column in ("component", "nanoengine", f"vLLM {vllm_map.version}", notes_column):
         table.add_column(column)
     for node, path, depth in walk_with_paths(build_component_tree(llm)):
         counterpart = vllm_map.nodes.get(path)
@@ -218,7 +220,9 @@ def tree_json(llm: object, vllm_map: VllmMap) -> dict[str, Any]:
                 "class": counterpart.vllm_class,
                 "defined_at": counterpart.defined_at,
                 "created_at": counterpart.created_at,
-                f"seed_{vllm_map.seed_version}": counterpart.seed_created_at or counterpart.seed_defined_at,
+                f"study_notes_{vllm_map.seed_version}": (
+                    counterpart.seed_created_at or counterpart.seed_defined_at
+                ),
             }
         )
         data["children"] = [
@@ -234,7 +238,7 @@ def tree_json(llm: object, vllm_map: VllmMap) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Drift:
-    """How far one line moved between the seed's release and 0.32."""
+    """How far one line moved between the study notes' release (0.30) and 0.32."""
 
     name: str
     seed: str
@@ -266,7 +270,7 @@ def compute_drift(vllm_map: VllmMap) -> list[Drift]:
 
 
 def drift_table(vllm_map: VllmMap) -> Table:
-    table = Table(title=f"Drift: the seed's vLLM {vllm_map.seed_version} lines vs {vllm_map.version}")
+    table = Table(title=f"Drift: the study notes' vLLM {vllm_map.seed_version} lines vs {vllm_map.version}")
     for column in ("what", f"{vllm_map.seed_version}", f"{vllm_map.version}", "moved"):
         table.add_column(column, justify="right" if column == "moved" else "left")
     for drift in compute_drift(vllm_map):

@@ -1,6 +1,6 @@
 """Chapter 5 -- all 12 request states, reached by real requests on a real engine.
 
-The seed note lists the 12 states of ``RequestStatus``; here each one is
+Chapter 5 of the study notes lists the 12 states of ``RequestStatus``; here each one is
 *reached*, each by the feature that needs it, and every transition a request
 goes through is recorded (``Request.status_history``):
 
@@ -35,7 +35,6 @@ from chapters._common import SEED_PROMPTS
 from nanoengine.config import KVTransferConfig
 from nanoengine.engine import EngineCoreRequest
 from nanoengine.engine.arg_utils import EngineArgs
-from nanoengine.engine.core import EngineCore
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.outputs import RequestOutput
 from nanoengine.request import Request, RequestStatus
@@ -57,22 +56,22 @@ TRANSITION_CAUSES: dict[tuple[str, str], str] = {
         START,
         "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR",
     ): "add_request with structured_outputs: grammar compiling",
-    ("WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR", "WAITING"): "handle_blocked_waiting_request: grammar ready",
+    ("WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR", "WAITING"): "_handle_blocked_waiting_request: grammar ready",
     (
         "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR",
         "FINISHED_ERROR",
-    ): "handle_blocked_waiting_request: compile failed",
-    ("WAITING", "WAITING_FOR_REMOTE_KVS"): "start_remote_kv_load: connector has the prefix",
-    ("WAITING_FOR_REMOTE_KVS", "WAITING"): "handle_blocked_waiting_request: load finished",
+    ): "_handle_blocked_waiting_request: compile failed",
+    ("WAITING", "WAITING_FOR_REMOTE_KVS"): "_start_remote_kv_load: connector has the prefix",
+    ("WAITING_FOR_REMOTE_KVS", "WAITING"): "_handle_blocked_waiting_request: load finished",
     ("WAITING", "RUNNING"): "schedule(): admitted",
     ("PREEMPTED", "RUNNING"): "schedule(): resumed (recompute)",
     ("RUNNING", "PREEMPTED"): "schedule(): out of KV blocks, newest runner evicted",
-    ("RUNNING", "WAITING_FOR_STREAMING_REQ"): "park_streaming_requests: all received prompt computed",
-    ("WAITING_FOR_STREAMING_REQ", "WAITING"): "handle_blocked_waiting_request: more prompt arrived",
-    ("WAITING_FOR_STREAMING_REQ", "PREEMPTED"): "handle_blocked_waiting_request: more prompt, was preempted",
-    ("PREEMPTED", "WAITING_FOR_REMOTE_KVS"): "start_remote_kv_load: evicted prefix reloaded from storage",
-    ("WAITING_FOR_REMOTE_KVS", "PREEMPTED"): "handle_blocked_waiting_request: loaded, was preempted",
-    ("PREEMPTED", "WAITING_FOR_STREAMING_REQ"): "is_blocked: nothing new to prefill",
+    ("RUNNING", "WAITING_FOR_STREAMING_REQ"): "_park_streaming_requests: all received prompt computed",
+    ("WAITING_FOR_STREAMING_REQ", "WAITING"): "_handle_blocked_waiting_request: more prompt arrived",
+    ("WAITING_FOR_STREAMING_REQ", "PREEMPTED"): "_handle_blocked_waiting_request: more prompt, was preempted",
+    ("PREEMPTED", "WAITING_FOR_REMOTE_KVS"): "_start_remote_kv_load: evicted prefix reloaded from storage",
+    ("WAITING_FOR_REMOTE_KVS", "PREEMPTED"): "_handle_blocked_waiting_request: loaded, was preempted",
+    ("PREEMPTED", "WAITING_FOR_STREAMING_REQ"): "schedule(): stream parked, nothing new to prefill",
     ("WAITING", "FINISHED_IGNORED"): "schedule(): can never fit max_model_len / the KV cache",
     ("RUNNING", "FINISHED_STOPPED"): "check_stop: EOS or stop token",
     ("RUNNING", "FINISHED_LENGTH_CAPPED"): "check_stop: max_tokens reached",
@@ -129,11 +128,6 @@ def _engine(model: str, transfer: KVTransferConfig, num_blocks: int) -> LLMEngin
     )
 
 
-def _core(engine: LLMEngine) -> EngineCore:
-    """The in-process EngineCore behind the client (the tour reads its Requests)."""
-    return engine.engine_core.engine_core  # type: ignore[attr-defined, no-any-return]
-
-
 def _chat_ids(engine: LLMEngine, text: str) -> list[int]:
     return engine.renderer.render_chat([{"role": "user", "content": text}])["prompt_token_ids"]
 
@@ -161,7 +155,7 @@ def run_state_tour(model: str, storage_dir: str, max_tokens: int = 32) -> StateT
     producer.shutdown()
 
     engine = _engine(model, KVTransferConfig(storage_dir, "kv_consumer"), num_blocks=TOUR_NUM_BLOCKS)
-    core = _core(engine)
+    core = engine.engine_core.get_engine_core()  # the tour reads its Requests
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
     tour: dict[str, TourRequest] = {}
 
@@ -195,7 +189,7 @@ def run_state_tour(model: str, storage_dir: str, max_tokens: int = 32) -> StateT
     add("streaming", "streaming input, 8-token pieces", stream_ids[:8], greedy, streaming=True)
     add(
         "repetition",
-        "repetition_detection (the seed's first prompt loops on emoji)",
+        "repetition_detection (the study notes' first prompt loops on emoji)",
         _chat_ids(engine, SEED_PROMPTS[0]),
         with_params(
             max_tokens=None,  # until it loops (or the context is full)

@@ -26,8 +26,8 @@ from rich.table import Table
 
 from chapters._common import base_parser, console, construction_table, timed
 from nanoengine import LLM
-from nanoengine.core.kv_cache_sizing import format_bytes, get_kv_cache_config, max_concurrency
-from nanoengine.engine.core import EngineCore
+from nanoengine.core.kv_cache_sizing import get_kv_cache_config, max_concurrency
+from nanoengine.utils.mem_utils import format_bytes
 from nanoengine.worker.memory_report import MemoryReport, memory_table
 from nanoengine.worker.worker import available_ram_bytes
 
@@ -48,12 +48,8 @@ class Ch06Result:
     too_small_message: str
 
 
-def _core(llm: LLM) -> EngineCore:
-    return llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined, no-any-return]
-
-
 def _report(llm: LLM) -> MemoryReport:
-    report = _core(llm).memory_report
+    report = llm.llm_engine.engine_core.get_engine_core().memory_report
     if report is None:
         raise RuntimeError("the engine kept no memory report")
     return report
@@ -135,7 +131,7 @@ def main(argv: list[str] | None = None) -> Ch06Result:
         message = str(error)
         console.print(f"[red]ValueError[/red]: {message}")
     return Ch06Result(
-        timings=dict(_core(llm).startup_timings),
+        timings=dict(llm.llm_engine.engine_core.get_engine_core().startup_timings),
         num_blocks=report.num_blocks,
         max_concurrency=report.max_concurrency,
         cpu_rows=rows,

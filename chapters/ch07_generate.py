@@ -31,11 +31,14 @@ from rich.table import Table
 from chapters._common import base_parser, console
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.core import EngineCore
+from nanoengine.utils.method_taps import tap
 from nanoengine.worker.cudagraph_dispatcher import (
+    CudagraphDecision,
     CudagraphDispatcher,
     default_capture_sizes,
     pad_decode_inputs,
 )
+from nanoengine.worker.input_batch import StepInputs
 from nanoengine.worker.model_runner import ModelRunner
 
 # Step 5 runs the Triton kernels; without CUDA only Triton's interpreter can, and
@@ -66,14 +69,34 @@ class Ch07Result:
     async_same_tokens: bool  # async scheduling generated exactly the synchronous tokens
 
 
+class ForwardWatch:
+    """What the model runner's latest forward pass was given, and its CUDA-graph decision.
+
+    Read from outside through method taps (``nanoengine/utils/method_taps.py``):
+    the runner keeps no copy of either for this walkthrough.
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.inputs: StepInputs | None = None
+        self.decision: CudagraphDecision | None = None
+        tap(runner, "_forward", before=self._saw_inputs)
+        tap(runner.dispatcher, "dispatch", after=self._saw_decision)
+
+    def _saw_inputs(self, inputs: StepInputs) -> None:
+        self.inputs = inputs
+
+    def _saw_decision(self, decision: CudagraphDecision, *args: int) -> None:
+        self.decision = decision
+
+
 def _parts(llm: LLM) -> tuple[EngineCore, ModelRunner]:
-    core: EngineCore = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+    core = llm.llm_engine.engine_core.get_engine_core()
     runner = core.model_executor.driver_worker.model_runner
     assert runner is not None
     return core, runner
 
 
-def one_step(llm: LLM, show: bool) -> StepRecord:
+def one_step(llm: LLM, watch: ForwardWatch, show: bool) -> StepRecord:
     """EngineCore.step, unrolled: schedule -> execute_model -> sample_tokens -> update.
 
     The outputs then go to the front end's output processor, as
@@ -82,7 +105,7 @@ def one_step(llm: LLM, show: bool) -> StepRecord:
     core, runner = _parts(llm)
     scheduler_output = core.scheduler.schedule()
     core.model_executor.execute_model(scheduler_output)  # forward pass, logits kept
-    inputs, decision = runner.last_inputs, runner.last_cudagraph_decision
+    inputs, decision = watch.inputs, watch.decision
     logits = runner.pending_logits
     model_output = core.model_executor.sample_tokens(None)
     outputs = core.scheduler.update_from_output(scheduler_output, model_output)
@@ -117,20 +140,20 @@ def _short(values: list[int], keep: int = 12) -> str:
     return str(values) if len(values) <= keep else f"{values[:keep]} ... ({len(values)} in all)"
 
 
-def simulate_graph_step(llm: LLM, runner: ModelRunner, max_num_seqs: int) -> tuple[int, float]:
+def simulate_graph_step(llm: LLM, watch: ForwardWatch, max_num_seqs: int) -> tuple[int, float]:
     """Pad one real decode step to its graph size and run it eagerly with Triton."""
     from nanoengine.attention.layer import set_attention_impl
     from nanoengine.attention.selector import get_attention_impl
 
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    core = _parts(llm)[0]
+    core, runner = _parts(llm)
     for i, prompt in enumerate(PROMPTS):
         llm.llm_engine.add_rendered_request(f"sim-{i}", llm.llm_engine.renderer.render_prompt(prompt), params)
     model = runner._model()
     set_attention_impl(model, get_attention_impl("triton"))  # what CUDA would use
     while True:
-        one_step(llm, show=False)
-        inputs = runner.last_inputs
+        one_step(llm, watch, show=False)
+        inputs = watch.inputs
         assert inputs is not None
         if inputs.attn_metadata.num_actual_tokens == inputs.attn_metadata.num_reqs:
             break  # a pure decode step: the kind a graph replays
@@ -145,7 +168,7 @@ def simulate_graph_step(llm: LLM, runner: ModelRunner, max_num_seqs: int) -> tup
         graph_path = model.compute_logits(model(padded.input_ids, padded.positions, padded.attn_metadata))
     set_attention_impl(model, get_attention_impl(runner.attention_backend))
     while core.scheduler.has_requests():
-        one_step(llm, show=False)
+        one_step(llm, watch, show=False)
     diff = float((graph_path[: md.num_reqs] - eager).abs().max())
     console.print(
         f"{decision.reason}: padded rows' slots={padded.attn_metadata.slot_mapping.tolist()}; "
@@ -195,6 +218,7 @@ def main(argv: list[str] | None = None) -> Ch07Result:
                   "kv_cache_memory_bytes": 64 << 20}
     llm = LLM(args.model, **llm_kwargs)
     core, runner = _parts(llm)
+    watch = ForwardWatch(runner)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
         llm.llm_engine.add_rendered_request(f"req-{i}", llm.llm_engine.renderer.render_prompt(prompt), params)
@@ -202,7 +226,7 @@ def main(argv: list[str] | None = None) -> Ch07Result:
     console.rule("1-5. The engine loop, unrolled (a 64-token budget: long prompts are chunked)")
     steps: list[StepRecord] = []
     while core.scheduler.has_requests():
-        steps.append(one_step(llm, show=len(steps) < args.steps))
+        steps.append(one_step(llm, watch, show=len(steps) < args.steps))
     console.print(f"... {len(steps)} steps in all")
 
     console.rule("CUDA-graph dispatcher, simulated for this run on a CUDA ladder")
@@ -219,7 +243,7 @@ def main(argv: list[str] | None = None) -> Ch07Result:
     padded_size, diff = (0, 0.0)
     if not args.skip_graph_sim:
         console.rule("The path up to replay: pad a decode step, run it with the Triton backend")
-        padded_size, diff = simulate_graph_step(llm, runner, args.max_num_seqs)
+        padded_size, diff = simulate_graph_step(llm, watch, args.max_num_seqs)
 
     console.rule("6. Async scheduling: step N+1 is scheduled while step N runs")
     async_steps, overlapped, same = compare_async(args.model, llm_kwargs, params)

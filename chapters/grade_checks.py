@@ -22,11 +22,12 @@ import torch
 
 import chapters.ex01_engine_by_hand as ex01
 from nanoengine import LLM, SamplingParams
+from nanoengine.config import CacheConfig, SchedulerConfig
 from nanoengine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from nanoengine.core.kv_cache_sizing import num_blocks_from_budget
 from nanoengine.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
-from nanoengine.core.sched.blocked_waiting import handle_blocked_waiting_request
 from nanoengine.core.sched.request_queue import SchedulingPolicy
+from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.core.sched.step_plan import StepPlan
 from nanoengine.core.sched.utils import select_preemption_victim
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
@@ -78,7 +79,7 @@ def greedy_run(model: str, prompts: list[list[int]], max_tokens: int = 16,
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
                            priority=priority)
-    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+    core = llm.llm_engine.engine_core.get_engine_core()
     stats = core.scheduler.make_stats()
     llm.llm_engine.shutdown()
     return EngineRun(
@@ -272,25 +273,36 @@ def e2e_abort(model: str) -> dict[str, Any]:
     return final
 
 
-# ----------------------------------------- 5.2 handle_blocked_waiting_request
+# ----------------------------------------- 5.2 Scheduler._handle_blocked_waiting_request
+def _small_scheduler() -> Scheduler:
+    """A scheduler over 16 blocks of 4 tokens, for calling its methods directly."""
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64),
+        CacheConfig(block_size=4, enable_prefix_caching=True),
+        KVCacheConfig(num_blocks=16, spec=_spec()),
+    )
+
+
 def promotions(model: str) -> list[Any]:
+    scheduler = _small_scheduler()
+    promote = scheduler._handle_blocked_waiting_request
     trace: list[Any] = []
     plain = _request("plain", 4)
-    trace.append((handle_blocked_waiting_request(plain, set()), str(plain.status)))
+    trace.append((promote(plain), str(plain.status)))
     for preempted_before in (0, 1):
         remote = _request(f"remote{preempted_before}", 4)
         remote.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         remote.num_preemptions = preempted_before
-        arrived: set[str] = set()
-        trace.append((handle_blocked_waiting_request(remote, arrived), str(remote.status)))
-        arrived.add(remote.request_id)
-        trace.append((handle_blocked_waiting_request(remote, arrived), str(remote.status), sorted(arrived)))
+        scheduler.finished_recving_kv_req_ids = set()
+        trace.append((promote(remote), str(remote.status)))
+        scheduler.finished_recving_kv_req_ids.add(remote.request_id)
+        trace.append((promote(remote), str(remote.status), sorted(scheduler.finished_recving_kv_req_ids)))
     stream = _request("stream", 6)
     stream.status = RequestStatus.WAITING_FOR_STREAMING_REQ
     stream.num_computed_tokens = 6
-    trace.append((handle_blocked_waiting_request(stream, set()), str(stream.status)))
+    trace.append((promote(stream), str(stream.status)))
     stream.append_prompt_token_ids([7, 8])
-    trace.append((handle_blocked_waiting_request(stream, set()), str(stream.status)))
+    trace.append((promote(stream), str(stream.status)))
     assert trace[0] == (True, "WAITING") and trace[2][:2] == (True, "WAITING")
     return trace
 

@@ -21,7 +21,6 @@ class ModelConfig:
 
     model: str  # as the user wrote it: a short name, a local dir or a hub id
     model_path: str  # the local HF directory it resolved to
-    architecture: str  # e.g. "LlamaForCausalLM"
     hf_config: Any  # transformers.PretrainedConfig; Any keeps transformers out of core/
     max_model_len: int
     dtype: str = "float32"

@@ -32,10 +32,6 @@ class FullAttentionSpec:
         per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_size
         return per_layer * self.num_layers
 
-    @property
-    def bytes_per_token(self) -> int:
-        return self.page_size_bytes // self.block_size
-
 
 @dataclass(frozen=True)
 class KVCacheConfig:

@@ -36,6 +36,8 @@ from nanoengine.attention.backends.abstract import AttentionMetadata
 from nanoengine.attention.backends.torch_ref import TorchRefAttentionImpl
 from nanoengine.attention.backends.triton_attn import TritonAttentionImpl
 from nanoengine.renderers.hf import TokensPrompt
+from nanoengine.utils.method_taps import tap
+from nanoengine.worker.input_batch import StepInputs
 
 SHAPES: dict[str, dict[str, Any]] = {
     "SmolLM2-135M": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
@@ -61,7 +63,7 @@ def kernel_errors() -> None:
         t = qsl[-1]
         md = AttentionMetadata(t, 4, 2, torch.tensor(qsl, device="cuda", dtype=torch.int32),
                                torch.tensor(seq_lens, device="cuda", dtype=torch.int32), tables,
-                               torch.tensor(slots, device="cuda"), max(new), max(seq_lens), qsl, seq_lens)
+                               torch.tensor(slots, device="cuda"), qsl, seq_lens)
         q = torch.randn(t, heads, dim, device="cuda", dtype=dtype)
         k, v = (torch.randn(t, kv_heads, dim, device="cuda", dtype=dtype) for _ in range(2))
         ref = TorchRefAttentionImpl().forward(q, k, v, cache.clone(), md, dim**-0.5)
@@ -95,6 +97,10 @@ def engine(path: str, eager: bool, max_num_seqs: int) -> LLM:
 def decode_latency(llm: LLM) -> tuple[float, float]:
     """(median engine step ms, median model-forward ms) of a batch-1 decode."""
     engine_ = llm.llm_engine
+    runner = engine_.engine_core.get_engine_core().model_executor.driver_worker.model_runner
+    assert runner is not None  # the worker built it in init_device
+    seen: list[StepInputs] = []  # every forward pass's inputs, read through a tap
+    tap(runner, "_forward", before=seen.append)
     engine_.add_rendered_request("lat", engine_.renderer.render_prompt(prompts(1, 32, 300)[0]),
                                  SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, detokenize=False))
     steps: list[float] = []
@@ -104,8 +110,7 @@ def decode_latency(llm: LLM) -> tuple[float, float]:
         engine_.step()
         torch.cuda.synchronize()
         steps.append(time.perf_counter() - start)
-    runner = engine_.engine_core.engine_core.model_executor.driver_worker.model_runner  # type: ignore[attr-defined]
-    inputs = runner.last_inputs
+    inputs = seen[-1]  # the last batch-1 decode step
     forward: list[float] = []
     for _ in range(50):
         torch.cuda.synchronize()
@@ -135,7 +140,8 @@ def check_shape(name: str, root: Path) -> None:
             llm.generate(work, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, detokenize=False), use_tqdm=False)
             torch.cuda.synchronize()
             ours = 256 * 128 / (time.perf_counter() - start)
-            report = llm.llm_engine.engine_core.engine_core.memory_report  # type: ignore[attr-defined]
+            report = llm.llm_engine.engine_core.get_engine_core().memory_report
+            assert report is not None  # LLM(...) profiled memory while building the engine
             print(f"[{name}] memory: " + "; ".join(f"{item}={size}" for item, size, _ in report.rows()))
         del llm
         torch.cuda.empty_cache()

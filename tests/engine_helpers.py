@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any
 
 from nanoengine.engine.arg_utils import EngineArgs
-from nanoengine.engine.core import EngineCore
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.outputs import RequestOutput
 from nanoengine.request import Request, RequestStatus
@@ -26,10 +25,6 @@ def make_engine(model: str, **kwargs: Any) -> LLMEngine:
     return LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
 
 
-def engine_core(engine: LLMEngine) -> EngineCore:
-    return engine.engine_core.engine_core  # type: ignore[attr-defined, no-any-return]
-
-
 def add(
     engine: LLMEngine, request_id: str, prompt: Any, params: SamplingParams = GREEDY, **kwargs: Any
 ) -> Request:
@@ -37,7 +32,7 @@ def add(
     if isinstance(prompt, list):
         prompt = {"prompt_token_ids": prompt}
     engine.add_request(request_id, prompt, params, **kwargs)
-    return engine_core(engine).scheduler.requests[request_id]
+    return engine.engine_core.get_engine_core().scheduler.requests[request_id]
 
 
 def run(

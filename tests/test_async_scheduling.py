@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import add, engine_core, make_engine, path, prompt_ids, run
+from engine_helpers import add, make_engine, path, prompt_ids, run
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.config import KVTransferConfig
@@ -44,7 +44,7 @@ def _prompts(lengths: list[int]) -> list[list[int]]:
 
 def _watch_placeholders(llm: LLM) -> list[int]:
     """Record, at every schedule(), the most placeholders any running request has."""
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+    scheduler = llm.llm_engine.engine_core.get_engine_core().scheduler
     seen: list[int] = []
     schedule = scheduler.schedule
 
@@ -73,7 +73,7 @@ def test_async_engine_matches_the_synchronous_engine(tiny_llama: str, scenario: 
     assert [len(tokens) for tokens, _ in expected] == MAX_TOKENS
     # Steps really were scheduled on top of tokens still being sampled.
     assert max(placeholders) == 1
-    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+    core = llm.llm_engine.engine_core.get_engine_core()
     if scenario == "preemption":
         assert core.scheduler.num_preemptions > 0, "the tiny KV cache was meant to force preemption"
     # Again on the same engine: the prefix cache now holds these prompts.
@@ -83,7 +83,7 @@ def test_async_engine_matches_the_synchronous_engine(tiny_llama: str, scenario: 
 
 def _assert_drains(engine: LLMEngine) -> None:
     """Idle front end: no block held; stepping on empties the queue and the worker."""
-    core = engine_core(engine)
+    core = engine.engine_core.get_engine_core()
     manager = core.scheduler.kv_cache_manager
     assert not engine.has_unfinished_requests() and not core.scheduler.has_unfinished_requests()
     assert manager.num_free_blocks == manager.num_usable_blocks
@@ -99,7 +99,7 @@ class FinishedInFlight:
     while a step already scheduled for them was still in flight."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.core = engine_core(engine)
+        self.core = engine.engine_core.get_engine_core()
         self.hits: set[str] = set()
 
     def __call__(self, _: int, outputs: list[RequestOutput]) -> None:
@@ -146,7 +146,7 @@ def test_abort_mid_generation_with_a_step_in_flight(tiny_llama: str) -> None:
     engine = make_engine(tiny_llama, async_scheduling=True)
     keep = add(engine, "keep", prompt_ids(12), params)
     doomed = add(engine, "doomed", prompt_ids(9, start=40), params)
-    core = engine_core(engine)
+    core = engine.engine_core.get_engine_core()
     for _ in range(5):
         engine.step()
     assert any("doomed" in step.scheduler_output.num_scheduled_tokens for step in core.batch_queue)
@@ -163,7 +163,7 @@ def test_async_scheduling_refuses_structured_output_and_tracing(tiny_llama: str)
     grammar = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     with pytest.raises(ValueError, match="async_scheduling"):
         engine.add_request("json", {"prompt_token_ids": prompt_ids(5)}, grammar)
-    assert not engine.has_unfinished_requests() and not engine_core(engine).scheduler.requests
+    assert not engine.has_unfinished_requests() and not engine.engine_core.get_engine_core().scheduler.requests
     with pytest.raises(ValueError, match="async_scheduling"):
         make_engine(tiny_llama, async_scheduling=True, trace=True)
 

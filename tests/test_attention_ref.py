@@ -51,8 +51,6 @@ def make_attn_metadata(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_table=table,
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(num_new),
-        max_seq_len=max(seq_lens),
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
     )

@@ -158,7 +158,7 @@ def test_engine_uses_cpu_kernels_by_default_and_matches_torch_backend(tiny_llama
     outputs = {}
     for backend in ("auto", "torch"):
         llm = LLM(tiny_llama, attention_backend=backend, block_size=4, max_model_len=128)
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+        runner = llm.llm_engine.engine_core.get_engine_core().model_executor.driver_worker.model_runner
         ops = [m for m in runner.model.modules() if isinstance(m, CustomOp)]
         assert ops and all(op.use_cpu_kernels == (runner.attention_backend == "cpu") for op in ops)
         outputs[runner.attention_backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -332,7 +332,7 @@ def test_worker_calls_run_on_the_forward_thread(tiny_llama: str) -> None:
     from nanoengine import LLM
 
     llm = LLM(tiny_llama, max_model_len=64, kv_cache_memory_bytes=1 << 20)
-    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    executor = llm.llm_engine.engine_core.get_engine_core().model_executor
     thread = executor.collective_rpc(threading.current_thread)
     assert thread is not threading.main_thread() and thread.name.startswith("nanoengine-forward")
     assert executor.collective_rpc(lambda a, b: a + b, 2, 3) == 5

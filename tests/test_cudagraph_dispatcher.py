@@ -115,7 +115,7 @@ def test_engine_with_triton_backend_matches_torch_backend(tiny_model_factory: Ca
     for backend in ("torch", "triton"):
         llm = LLM(path, attention_backend=backend, max_num_batched_tokens=8, block_size=4, max_model_len=64,
                   num_gpu_blocks_override=40)
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+        runner = llm.llm_engine.engine_core.get_engine_core().model_executor.driver_worker.model_runner
         assert runner.attention_backend == backend
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["triton"] == outs["torch"]

@@ -4,9 +4,10 @@ One strict ``mkdocs build`` (any broken reference, anchor, macro or symbol fails
 it), then the built site is served on localhost and every page is opened in
 headless Chromium through the Chrome DevTools protocol: no console error, no
 failed request, every internal link resolves (to an existing page *and* id), the
-mermaid diagrams render offline, and a code link on a chapter page lands on the
-lines it shows. A screenshot of the chapter-5 page is written next to the built
-site for review (docs/images/screenshots/ch05.png is a committed copy).
+mermaid diagrams render offline, a code link on a chapter page lands on the
+lines it shows, and the source-map table reads whole on a 1400 px laptop screen.
+Screenshots of the chapter-5 page and of the source map are written next to the
+built site for review (docs/images/screenshots/ch05.png is a committed copy).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 import urllib.request
 from base64 import b64decode
 from collections.abc import Iterator
+from contextlib import contextmanager
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,19 @@ DIAGRAMS_PENDING_JS = (
     "   .filter(e => e.textContent.trim() !== '' || e.getBoundingClientRect().height < 20).length;"
     " if (pending === 0 || Date.now() - t0 > 10000) done(pending); else setTimeout(poll, 50); })(); })"
 )
+# For each <code> in the source-map table: is it on one line? And does the table
+# fit the text column, or would the reader have to scroll it sideways?
+SOURCE_MAP_LAYOUT_JS = (
+    "(() => { const table = document.querySelector('.source-map table');"
+    " if (table === null) return null;"
+    " const codes = Array.from(table.querySelectorAll('code'));"
+    " const column = table.closest('.md-typeset__scrollwrap') || table.parentElement;"
+    " return {codes: codes.length,"
+    "   broken: codes.filter(c => c.getClientRects().length !== 1).map(c => c.textContent),"
+    "   scrollWidth: column.scrollWidth, columnWidth: column.clientWidth}; })()"
+)
+# A laptop screen: the source map must read whole at this size.
+LAPTOP_VIEWPORT = (1400, 900)
 # Source pages share one template and carry only highlighted code; the link
 # check covers all of them, the browser opens these pages plus every other page.
 BROWSER_SKIPS_PREFIX = "source/"
@@ -152,6 +167,16 @@ class Browser:
         self.call("Emulation.setDeviceMetricsOverride", width=1280, height=1600, deviceScaleFactor=1,
                   mobile=False)
         path.write_bytes(b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
+
+    @contextmanager
+    def viewport(self, width: int, height: int) -> Iterator[None]:
+        """Lay pages out at ``width`` x ``height`` CSS pixels inside the ``with`` block."""
+        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
+                  mobile=False)
+        try:
+            yield
+        finally:
+            self.call("Emulation.clearDeviceMetricsOverride")
 
     def close(self) -> None:
         self.ws.close()
@@ -293,3 +318,21 @@ def test_chapter_five_screenshot(site: Path, base_url: str, browser: Browser) ->
 def test_api_reference_links_docstring_chapters(site: Path) -> None:
     html = (site / "reference" / "nanoengine.core.sched.scheduler" / "index.html").read_text(encoding="utf-8")
     assert re.search(r'<a class="chapter-link" href="\.\./\.\./chapters/ch03/">3</a>', html)
+
+
+def test_source_map_reads_on_a_laptop_screen(site: Path, base_url: str, browser: Browser) -> None:
+    """At 1400x900 no identifier in the source-map table is broken across lines
+    ("nanoengin / e/engine/...") and the table fits its column without a
+    sideways scroll. A screenshot at that size is written for review."""
+    with browser.viewport(*LAPTOP_VIEWPORT):
+        assert browser.open(base_url + "source-map/") == []
+        layout = browser.evaluate(SOURCE_MAP_LAYOUT_JS)
+        shot = site.parent / "screenshots" / "source-map-1400.png"
+        shot.parent.mkdir(exist_ok=True)
+        shot.write_bytes(b64decode(browser.call("Page.captureScreenshot", format="png")["data"]))
+    assert layout is not None, "the source-map page has no table inside <div class=\"source-map\">"
+    assert layout["codes"] > 30, f"only {layout['codes']} code elements: is the table complete?"
+    assert layout["broken"] == [], f"identifiers broken across lines: {layout['broken']}"
+    assert layout["scrollWidth"] <= layout["columnWidth"], (
+        f"the table is {layout['scrollWidth']} px wide in a {layout['columnWidth']} px column")
+    print(f"source-map screenshot at {LAPTOP_VIEWPORT[0]} px: {shot}")

@@ -88,3 +88,28 @@ def test_hook_embeds_code_with_a_link_to_its_lines() -> None:
     region = regions.find_region("nanoengine.core.block_pool.BlockPool")
     assert f'href="../../source/nanoengine/core/block_pool.py/#__codelineno-0-{region.start}"' in out
     assert f'```python linenums="{region.start}"' in out and "class BlockPool" in out
+
+
+def _reading_path_items(markdown: str) -> list[str]:
+    """The numbered items of the "A reading path through the code" section."""
+    section = markdown.split("\n## A reading path through the code\n", 1)[1].split("\n## ", 1)[0]
+    return re.split(r"\n(?=\d+\. )", section.split("\n1. ", 1)[1].split("\n\n", 1)[0])
+
+
+def test_reading_paths_name_existing_files_in_the_same_order() -> None:
+    """README.md lists the reading path by file, the docs home by symbol (linked to
+    its lines at build time); both must name the same files, in the same order."""
+    readme = [re.match(r"\[`([^`]+)`\]\(\1\)", item.lstrip("0123456789. "))
+              for item in _reading_path_items((ROOT / "README.md").read_text(encoding="utf-8"))]
+    assert all(readme), "every README reading-path item starts with a link to its file"
+    readme_files = [match[1] for match in readme if match]
+    missing = [path for path in readme_files if not (ROOT / path).is_file()]
+    assert not missing, f"README reading path names files that do not exist: {missing}"
+
+    regions = _hook_module("code_regions")
+    docs_files = []
+    for item in _reading_path_items((ROOT / "docs" / "index.md").read_text(encoding="utf-8")):
+        paths = {regions.find_region(name).path for name in re.findall(r'code_link\("([^"]+)"\)', item)}
+        assert len(paths) == 1, f"a docs reading-path item should point into one file: {item[:80]!r}"
+        docs_files.append(paths.pop())
+    assert readme_files == docs_files

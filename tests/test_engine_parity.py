@@ -41,7 +41,7 @@ def _prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[in
 def _run_engine(llm: LLM, prompts: list[list[int]], num_tokens: int) -> tuple[list[list[int]], int]:
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler = llm.llm_engine.engine_core.get_engine_core().scheduler
     return [o.outputs[0].token_ids for o in outs], scheduler.make_stats().num_preemptions
 
 

@@ -126,9 +126,9 @@ def test_every_test_engine_checks_invariants_after_each_step(
     tiny_llama: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     llm = LLM(tiny_llama, max_model_len=64, kv_cache_memory_bytes=1 << 22)
-    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
-    assert core.check_invariants  # set by the autouse fixture in conftest.py
+    core = llm.llm_engine.engine_core.get_engine_core()
+    assert core.engine_config.observability_config.check_invariants  # the autouse fixture in conftest.py
     calls: list[int] = []
-    monkeypatch.setattr("nanoengine.engine.core.check_invariants", lambda s: calls.append(1))
+    monkeypatch.setattr("nanoengine.core.invariants.check_invariants", lambda s: calls.append(1))
     llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(calls) == 3

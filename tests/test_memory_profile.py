@@ -40,7 +40,7 @@ def test_engine_keeps_the_breakdown_and_is_quiet_by_default(
     with caplog.at_level(logging.WARNING):
         llm = LLM(tiny_llama, max_model_len=128, max_num_batched_tokens=256, kv_cache_memory_bytes=4 << 20)
     assert not caplog.records
-    core = llm.llm_engine.engine_core.engine_core
+    core = llm.llm_engine.engine_core.get_engine_core()
     report = core.memory_report
     assert report is not None and report.profile.device == "cpu"
     profile = report.profile

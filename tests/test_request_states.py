@@ -3,7 +3,7 @@
 The three blocked-waiting states have feature tests of their own
 (test_structured_output.py, test_kv_connector.py, test_streaming_input.py);
 this file reaches the other nine, checks the enum order, the promotion step
-(``handle_blocked_waiting_request``) and the per-request event log.
+(``Scheduler._handle_blocked_waiting_request``) and the per-request event log.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 
 import pytest
-from engine_helpers import GREEDY, add, engine_core, make_engine, path, prompt_ids, run
+from engine_helpers import GREEDY, add, make_engine, path, prompt_ids, run
+from test_scheduler import make_scheduler
 
-from nanoengine.core.sched.blocked_waiting import handle_blocked_waiting_request
 from nanoengine.core.sched.utils import ends_in_repetition
 from nanoengine.engine import EngineCoreRequest
 from nanoengine.request import Request, RequestStatus
@@ -83,7 +83,7 @@ def test_abort_a_running_and_a_waiting_request(tiny_llama: str) -> None:
     assert not engine.has_unfinished_requests()
     assert path(running) == [S.WAITING, S.RUNNING, S.FINISHED_ABORTED]
     assert path(waiting) == [S.WAITING, S.FINISHED_ABORTED]
-    assert not engine_core(engine).scheduler.requests
+    assert not engine.engine_core.get_engine_core().scheduler.requests
 
 
 def test_ignored_when_a_client_skips_the_front_end_checks(tiny_llama: str) -> None:
@@ -92,7 +92,7 @@ def test_ignored_when_a_client_skips_the_front_end_checks(tiny_llama: str) -> No
     engine = make_engine(tiny_llama)
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request("front", {"prompt_token_ids": prompt_ids(300)}, GREEDY)
-    core = engine_core(engine)
+    core = engine.engine_core.get_engine_core()
     core.add_request(EngineCoreRequest("core", prompt_ids(300), GREEDY.clone(), eos_token_id=None))
     request = core.scheduler.requests["core"]
     outputs, _ = core.step()
@@ -140,22 +140,23 @@ def _streaming_request(num_preemptions: int) -> Request:
 
 @pytest.mark.parametrize(("num_preemptions", "promoted_to"), [(0, S.WAITING), (1, S.PREEMPTED)])
 def test_promotion_returns_to_waiting_or_preempted(num_preemptions: int, promoted_to: RequestStatus) -> None:
-    request = _streaming_request(num_preemptions)
-    assert not handle_blocked_waiting_request(request, set())  # nothing new yet
+    scheduler, request = make_scheduler(), _streaming_request(num_preemptions)
+    assert not scheduler._handle_blocked_waiting_request(request)  # nothing new yet
     assert request.status == S.WAITING_FOR_STREAMING_REQ
     request.append_prompt_token_ids([9])
-    assert handle_blocked_waiting_request(request, set())
+    assert scheduler._handle_blocked_waiting_request(request)
     assert request.status == promoted_to
 
 
 def test_promotion_of_remote_kv_needs_the_finished_load() -> None:
+    scheduler = make_scheduler()
     request = Request("r", [5, 6, 7], SamplingParams(), eos_token_id=None)
     request.status = S.WAITING_FOR_REMOTE_KVS
-    finished: set[str] = {"other"}
-    assert not handle_blocked_waiting_request(request, finished)
-    finished.add("r")
-    assert handle_blocked_waiting_request(request, finished)
-    assert request.status == S.WAITING and finished == {"other"}
+    scheduler.finished_recving_kv_req_ids = {"other"}
+    assert not scheduler._handle_blocked_waiting_request(request)
+    scheduler.finished_recving_kv_req_ids.add("r")
+    assert scheduler._handle_blocked_waiting_request(request)
+    assert request.status == S.WAITING and scheduler.finished_recving_kv_req_ids == {"other"}
 
 
 def test_event_log_feeds_queue_time_ttft_tpot(tiny_llama: str) -> None:

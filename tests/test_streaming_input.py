@@ -9,7 +9,7 @@ whole prompt had come at once.
 from __future__ import annotations
 
 import pytest
-from engine_helpers import add, engine_core, make_engine, path, prompt_ids, run
+from engine_helpers import add, make_engine, path, prompt_ids, run
 
 from nanoengine.outputs import RequestOutput
 from nanoengine.request import RequestStatus
@@ -76,4 +76,4 @@ def test_streaming_input_errors(tiny_llama: str) -> None:
     with pytest.raises(ValueError, match="open streaming input"):
         engine.append_prompt("s", [5])
     run(engine)
-    assert not engine_core(engine).scheduler.requests
+    assert not engine.engine_core.get_engine_core().scheduler.requests

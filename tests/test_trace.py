@@ -1,8 +1,7 @@
-"""The step tracer (chapters 3-4): data, recorder hooks, table, timeline, LLM.trace."""
+"""The step tracer (chapters 3-4): data, the recorder's taps, table, timeline, LLM.trace."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -12,26 +11,18 @@ from test_scheduler import make_request, make_scheduler, step
 from nanoengine import LLM, SamplingParams
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.renderers.hf import TokensPrompt
-from nanoengine.trace import NULL_RECORDER, EngineTrace, TraceRecorder
+from nanoengine.trace import EngineTrace, TraceRecorder
 from nanoengine.trace.table import format_chunk, live_table, trace_table
 
 
 def traced_scheduler(**kwargs: object) -> tuple[Scheduler, TraceRecorder]:
-    """A scheduler whose hooks feed a TraceRecorder, stepped by the fake runner."""
+    """A scheduler watched by a TraceRecorder, stepped by the fake runner."""
     scheduler = make_scheduler(**kwargs)  # type: ignore[arg-type]
-    recorder = TraceRecorder(block_size=4, num_blocks=scheduler.kv_cache_manager.block_pool.num_blocks)
-    scheduler.recorder = recorder
-    scheduler.kv_cache_manager.recorder = recorder
-    scheduler.kv_cache_manager.block_pool.recorder = recorder
-    return scheduler, recorder
+    return scheduler, TraceRecorder.attach(scheduler)
 
 
 def traced_step(scheduler: Scheduler, recorder: TraceRecorder) -> None:
-    recorder.on_step_begin()
-    step(scheduler)
-    recorder.on_schedule_done(scheduler)
-    recorder.on_execute_done()
-    recorder.on_step_end()
+    step(scheduler)  # schedule() then update_from_output(): one StepTrace
 
 
 def test_recorder_sees_chunks_blocks_hits_preemption_and_finish() -> None:
@@ -64,16 +55,20 @@ def test_recorder_sees_chunks_blocks_hits_preemption_and_finish() -> None:
     assert recorder.trace.num_preemptions == 1 and recorder.trace.prefix_cache_hit_rate > 0
 
 
-def test_preempted_victims_chunk_disappears_from_its_step() -> None:
-    scheduler, recorder = traced_scheduler(num_blocks=6, policy="priority")
+@pytest.mark.parametrize(("num_blocks", "reason"), [(6, "out of KV blocks"), (5, "priority")])
+def test_preempted_victims_chunk_disappears_from_its_step(num_blocks: int, reason: str) -> None:
+    """The reason names who asked: with 6 blocks, running "high" runs out of blocks
+    for a decode; with 5, admitting waiting "high" already needs "low"'s blocks.
+    """
+    scheduler, recorder = traced_scheduler(num_blocks=num_blocks, policy="priority")
     scheduler.add_request(make_request("low", 8, priority=1, arrival_time=0.0))
     traced_step(scheduler, recorder)
     scheduler.add_request(make_request("high", 8, first_token=300, priority=0, arrival_time=1.0))
     traced_step(scheduler, recorder)
     traced_step(scheduler, recorder)
-    last = recorder.trace.steps[-1]
-    assert [c.request_id for c in last.scheduled] == ["high"]
-    assert [(p.victim_id, p.for_request_id) for p in last.preemptions] == [("low", "high")]
+    (preempting,) = [step for step in recorder.trace.steps if step.preemptions]
+    assert [c.request_id for c in preempting.scheduled] == ["high"]
+    assert [(p.victim_id, p.reason, p.for_request_id) for p in preempting.preemptions] == [("low", reason, "high")]
 
 
 def test_request_timelines_fold_steps_into_segments() -> None:
@@ -105,16 +100,14 @@ def test_timeline_shows_preemption_then_waiting_then_recompute() -> None:
     ]
 
 
-def test_null_recorder_is_the_default_and_costs_nothing_measurable() -> None:
+def test_an_untraced_scheduler_has_nothing_tapped() -> None:
+    """Tracing off costs nothing: every method is the class's own, unwrapped."""
     scheduler = make_scheduler()
-    assert scheduler.recorder is NULL_RECORDER and not NULL_RECORDER.enabled
-    assert scheduler.kv_cache_manager.block_pool.recorder is NULL_RECORDER
-    # The hooks are empty methods: a million calls take well under a second.
-    request = make_request("r", 4)
-    start = time.perf_counter()
-    for _ in range(100_000):
-        NULL_RECORDER.on_request_finished(request)
-    assert time.perf_counter() - start < 1.0
+    manager = scheduler.kv_cache_manager
+    for obj in (scheduler, manager, manager.block_pool):
+        assert not any(callable(value) for value in vars(obj).values()), type(obj).__name__
+    scheduler, _ = traced_scheduler()
+    assert "schedule" in vars(scheduler) and "_maybe_evict_cached_block" in vars(scheduler.kv_cache_manager.block_pool)
 
 
 def test_llm_trace_table_timeline_and_live(tiny_llama: str, tmp_path: Path) -> None:

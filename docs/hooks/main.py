@@ -83,15 +83,20 @@ def on_files(files: Files, config: Any) -> Files:
 
 
 # ------------------------------------------------------------------------ macros
-def _line_link(page: Page, path: str, line: int, end: int | None = None) -> str:
+def _line_link(page: Page, path: str, line: int, end: int | None = None, label: str | None = None) -> str:
     """An HTML link to our source page at ``line`` (raw HTML: mkdocs cannot see
-    the line anchors inside highlighted code, so the browser test checks them)."""
-    label = f"{path}:{line}" if end is None or end == line else f"{path}:{line}-{end}"
+    the line anchors inside highlighted code, so the browser test checks them).
+    ``label`` replaces the default ``path:line`` text."""
+    if label is None:
+        label = f"{path}:{line}" if end is None or end == line else f"{path}:{line}-{end}"
     target = _SOURCE_URLS.get(path)
     if target is None:
         return f"`{label}`"
     href = f"{get_relative_url(target, page.url)}#__codelineno-0-{line}"
-    return f'<a class="code-link" href="{href}" data-line="{line}"><code>{label}</code></a>'
+    # Markdown still parses the text inside raw HTML: "__init__.py" would turn
+    # bold, so underscores go in as character references.
+    text = label.replace("_", "&#95;")
+    return f'<a class="code-link" href="{href}" data-line="{line}"><code>{text}</code></a>'
 
 
 def _code_block(page: Page, name: str) -> str:
@@ -116,7 +121,7 @@ def _expand(match: re.Match[str], page: Page) -> str:
         region = code_regions.find_region(argument)
         return _line_link(page, region.path, region.start, region.end)
     if macro == "source_map":
-        return source_map.render(lambda path, line: _line_link(page, path, line))
+        return source_map.render(lambda path, line, label: _line_link(page, path, line, label=label))
     if macro == "grader_checks":
         return _grader_checks(argument)
     raise LookupError(f"unknown macro {macro!r}")

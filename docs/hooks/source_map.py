@@ -43,7 +43,10 @@ def module_counterpart(path: str) -> str:
     """The "vLLM 0.32 counterpart: ..." sentence of a module docstring, on one line."""
     docstring = ast.get_docstring(ast.parse((ROOT / path).read_text(encoding="utf-8"))) or ""
     match = _COUNTERPART.search(docstring)
-    return " ".join(match[1].split()) if match else ""
+    text = " ".join(match[1].split()) if match else ""
+    # The list a closing "...:" sentence introduces is not part of the match;
+    # without it the sentence would read as cut off.
+    return re.sub(r"(?<=\.)\s[^.]*:$", "", text)
 
 
 @lru_cache(maxsize=1)
@@ -72,28 +75,41 @@ def _walk(node: Any, parent: str | None = None, depth: int = 0) -> Iterator[tupl
         yield from _walk(child, node.class_name, depth + 1)
 
 
-def _vllm_cell(class_name: str, parent: str | None, attr: str | None) -> str:
+def _vllm_cell(class_name: str, parent: str | None, attr: str | None, counterpart: str) -> str:
     facts = vllm_map()
-    cells = []
+    lines = []
     if class_name in facts:
-        cells.append(f"class `{facts[class_name]}`")
+        lines.append(f"class&nbsp;`{facts[class_name]}`")
     if parent is not None and f"{parent}.{attr}" in facts:
-        cells.append(f"created `{facts[f'{parent}.{attr}']}`")
-    return "; ".join(cells)
+        lines.append(f"created&nbsp;`{facts[f'{parent}.{attr}']}`")
+    # A block of its own (extra.css), set off from the file:line facts above it.
+    prose = f'<span class="counterpart">{counterpart.replace("|", "/")}</span>' if counterpart else ""
+    return "<br>".join(lines) + prose
 
 
-def render(link: Callable[[str, int], str]) -> str:
-    """The Markdown table; ``link(path, line)`` makes a link to our source at a line."""
+def render(link: Callable[[str, int, str], str]) -> str:
+    """The Markdown table; ``link(path, line, label)`` links to our source at a line.
+
+    Four columns, so that a laptop screen can show every path whole: our
+    "defined at" and "created at" share one cell, as vLLM's do, and the module
+    docstring's counterpart sentence goes under vLLM's file:line. Paths are
+    relative to each package (``nanoengine/`` and ``vllm/``), as the header says.
+    """
     rows = [
-        "| component | class | defined at | created at | vLLM 0.32.0 file:line | vLLM 0.32 counterpart (module docstring) |",
-        "|---|---|---|---|---|---|",
+        "| component | class | nanoengine file:line "
+        "| vLLM 0.32.0 file:line, and the module docstring's counterpart |",
+        "|---|---|---|---|",
     ]
     for node, parent, depth in _walk(live_tree()):
-        indent = "&nbsp;" * 4 * depth + ("└ " if depth else "")
+        # Non-breaking throughout, so the tree mark never parts from its name.
+        indent = "&nbsp;" * 2 * depth + ("└&nbsp;" if depth else "")
         name = f"{indent}`{node.attr}`" if node.attr else f"`{node.class_name}`"
-        defined = link(node.defined_at.path, node.defined_at.line) if node.defined_at else ""
-        created = link(node.created_at.path, node.created_at.line) if node.created_at else ""
+        ours = []
+        for kind, where in (("class", node.defined_at), ("created", node.created_at)):
+            if where is not None:
+                label = f"{where.path.removeprefix('nanoengine/')}:{where.line}"
+                ours.append(f"{kind}&nbsp;{link(where.path, where.line, label)}")
         counterpart = module_counterpart(node.defined_at.path) if node.defined_at else ""
-        rows.append(f"| {name} | `{node.class_name}` | {defined} | {created} | "
-                    f"{_vllm_cell(node.class_name, parent, node.attr)} | {counterpart.replace('|', '/')} |")
+        rows.append(f"| {name} | `{node.class_name}` | {'<br>'.join(ours)} | "
+                    f"{_vllm_cell(node.class_name, parent, node.attr, counterpart)} |")
     return "\n".join(rows)

@@ -28,7 +28,6 @@ from collections.abc import Iterable, Sequence
 
 from nanoengine.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from nanoengine.request import BlockHash, Request
-from nanoengine.trace.recorder import NULL_RECORDER, StepRecorder
 from nanoengine.utils.component_tree import TreeNode
 
 
@@ -50,9 +49,6 @@ class BlockPool(TreeNode):
         # both under the same hash; one is enough to serve future hits).
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.null_block = self.free_block_queue.popleft()
-        # Told of each eviction (the LRU order chapter 4 shows); the KV cache
-        # manager installs the engine's recorder here.
-        self.recorder: StepRecorder = NULL_RECORDER
 
     @property
     def num_usable_blocks(self) -> int:
@@ -94,7 +90,6 @@ class BlockPool(TreeNode):
         """Forget ``block``'s cached contents; True if it had any."""
         if block.block_hash is None:
             return False
-        self.recorder.on_block_evicted(block)
         self.uncache_block(block)
         return True
 

@@ -21,9 +21,10 @@ the bookkeeping must guarantee after every step:
   preempted while at most the step before is in flight, and that step's update
   delivers its token before the next ``schedule()`` could re-admit it.
 
-``check_invariants(scheduler)`` runs them all; the engine calls it after each
-step when ``check_invariants=True`` (or ``NANOENGINE_CHECK_INVARIANTS=1``), and
-every engine test turns that on. Cost: O(blocks referenced) plus, for pools up
+``check_invariants(scheduler)`` runs them all; with ``check_invariants=True``
+(or ``NANOENGINE_CHECK_INVARIANTS=1``) the engine runs it after each step and
+each abort (``check_invariants_after_each_update``), and every engine test
+turns that on. Cost: O(blocks referenced) plus, for pools up
 to ``FULL_WALK_MAX_BLOCKS``, one pass over the whole pool.
 
 vLLM 0.32 counterpart: none; vLLM's tests assert pieces of this
@@ -36,10 +37,11 @@ from collections import Counter
 
 from nanoengine.core.block_pool import BlockPool
 from nanoengine.core.kv_cache_coordinator import KVCacheCoordinator
-from nanoengine.core.kv_cache_sizing import cdiv
 from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.request import RequestStatus
+from nanoengine.utils.math_utils import cdiv
+from nanoengine.utils.method_taps import tap
 
 
 class InvariantViolation(AssertionError):
@@ -185,6 +187,21 @@ def check_invariants(scheduler: Scheduler) -> None:
     """Every check above; raises ``InvariantViolation`` naming the first broken one."""
     check_kv_blocks(scheduler.kv_cache_manager.coordinator)
     check_scheduler(scheduler)
+
+
+def check_invariants_after_each_update(scheduler: Scheduler) -> None:
+    """Run ``check_invariants`` whenever a step ends or requests are aborted.
+
+    The checks watch from outside (``nanoengine/utils/method_taps.py``): a
+    step ends with ``update_from_output`` and an abort is ``finish_requests``,
+    so the scheduler's own code has no checking in it.
+    """
+
+    def check(*_: object, **__: object) -> None:
+        check_invariants(scheduler)
+
+    tap(scheduler, "update_from_output", after=check)
+    tap(scheduler, "finish_requests", after=check)
 
 
 def _duplicates(ids: list[int]) -> list[int]:

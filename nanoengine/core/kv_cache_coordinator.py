@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nanoengine.core.block_pool import BlockPool
-from nanoengine.core.kv_cache_sizing import cdiv
 from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import BlockHash, Request
 from nanoengine.utils.component_tree import TreeNode
+from nanoengine.utils.math_utils import cdiv
 
 
 class KVCacheCoordinator(TreeNode):

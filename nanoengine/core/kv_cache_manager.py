@@ -21,7 +21,6 @@ from nanoengine.core.kv_cache_coordinator import KVCacheCoordinator
 from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import Request
-from nanoengine.trace.recorder import NULL_RECORDER, StepRecorder
 from nanoengine.utils.component_tree import TreeNode
 
 
@@ -72,7 +71,6 @@ class KVCacheManager(TreeNode):
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
         enable_caching: bool,
-        recorder: StepRecorder = NULL_RECORDER,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {max_model_len}.")
@@ -82,9 +80,6 @@ class KVCacheManager(TreeNode):
         self.coordinator = KVCacheCoordinator(kv_cache_config, max_model_len, enable_caching)
         self.block_pool = self.coordinator.block_pool
         self.prefix_cache_stats = PrefixCacheStats()
-        # The step tracer hears of frees here and of evictions in the pool.
-        self.recorder = recorder
-        self.block_pool.recorder = recorder
 
     @property
     def usage(self) -> float:
@@ -185,7 +180,6 @@ class KVCacheManager(TreeNode):
         computes them, so their hashes are dropped first: a later hit must never
         read KV that was not written.
         """
-        self.recorder.on_request_freeing(self, request)
         for block in self.coordinator.uncomputed_cached_blocks(request.request_id, request.num_computed_tokens):
             self.block_pool.uncache_block(block)
         self.coordinator.free(request.request_id)
@@ -195,9 +189,6 @@ class KVCacheManager(TreeNode):
         newcomer's prefix-cache lookup may already count on them.
         """
         return bool(self.coordinator.uncomputed_cached_blocks(request.request_id, request.num_computed_tokens))
-
-    def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        return KVCacheBlocks(list(self.coordinator.get_blocks(request_id)))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's whole block table as ids (what ``NewRequestData`` carries)."""

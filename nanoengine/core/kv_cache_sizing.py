@@ -11,19 +11,8 @@ vLLM 0.32 counterpart: ``vllm/v1/core/kv_cache_utils.py`` (``get_kv_cache_config
 from __future__ import annotations
 
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
-
-
-def format_bytes(num_bytes: int) -> str:
-    """Human-sized units, so a tiny test budget does not read as "0.000 GiB"."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.2f} {unit}"
-    return f"{num_bytes} B"
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: blocks needed to hold ``a`` tokens in blocks of ``b``."""
-    return -(-a // b)
+from nanoengine.utils.math_utils import cdiv
+from nanoengine.utils.mem_utils import format_bytes
 
 
 # BEGIN EXERCISE 6.1

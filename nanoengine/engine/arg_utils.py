@@ -89,11 +89,10 @@ class EngineArgs:
         hf_config = get_hf_config(model_path)
         device = _resolve_device(self.device)
         max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
-        # get_model_class fails early, naming the architecture, before any weight is read.
+        get_model_class(hf_config)  # fails early, naming the architecture, before any weight is read
         model_config = ModelConfig(
             model=self.model,
             model_path=model_path,
-            architecture=get_model_class(hf_config).__name__,
             hf_config=hf_config,
             max_model_len=max_model_len,
             dtype=_resolve_dtype(self.dtype, device),

@@ -1,7 +1,7 @@
 """EngineCore: the engine loop's body -- schedule, execute, make output.
 
 Chapter 5 (engine skeleton) is about this class: it owns the three members of
-the seed note's map (``model_executor``, ``structured_output_manager``,
+the study notes' map (``model_executor``, ``structured_output_manager``,
 ``scheduler``), and ``step()`` is where the three roles of chapter 1 meet.
 Chapter 6 explains ``_initialize_kv_caches``, chapter 7 the loop around ``step``
 and its async-scheduling variant ``step_with_batch_queue``.
@@ -20,23 +20,25 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from nanoengine.config import EngineConfig
-from nanoengine.core.invariants import check_invariants
+from nanoengine.core.invariants import check_invariants_after_each_update
 from nanoengine.core.kv_cache_sizing import get_kv_cache_config
 from nanoengine.core.kv_cache_utils import get_request_block_hasher
 from nanoengine.core.sched.async_scheduler import AsyncScheduler
 from nanoengine.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.engine import EngineCoreOutputs, EngineCoreRequest
-from nanoengine.engine.step_timing import CompletionClock, StepTiming
 from nanoengine.executor.uniproc_executor import UniProcExecutor
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import Request, RequestStatus
 from nanoengine.structured_output import StructuredOutputManager
-from nanoengine.trace import NULL_RECORDER, EngineTrace, StepRecorder, TraceRecorder
+from nanoengine.trace import EngineTrace, TraceRecorder
 from nanoengine.utils.component_tree import TreeNode
+from nanoengine.utils.method_taps import time_calls
 from nanoengine.worker.memory_report import MemoryReport, render_memory_table
 
 logger = logging.getLogger(__name__)
+# The construction steps chapter 6 times, in the order _initialize_kv_caches calls them.
+_TIMED_STARTUP_CALLS = ("determine_available_memory", "initialize_from_config", "compile_or_warm_up_model")
 
 
 @dataclass
@@ -66,30 +68,29 @@ class EngineCore(TreeNode):
         self.engine_config = engine_config
         # Chapter 6's breakdown (weights, activations, KV cache, concurrency).
         self.memory_report: MemoryReport | None = None
-        timings: dict[str, float] = {}
         start = time.perf_counter()
         # init_device and load_model happen inside the executor's constructor.
         self.model_executor = UniProcExecutor(engine_config)
-        timings["init_device + load_model"] = time.perf_counter() - start
-        self.kv_cache_config = self._initialize_kv_caches(timings)
+        # Seconds per construction step, shown by chapters 1, 5 and 6. The KV
+        # cache steps are timed from outside, so _initialize_kv_caches stays plain.
+        self.startup_timings = {"init_device + load_model": time.perf_counter() - start}
+        time_calls(self.model_executor, _TIMED_STARTUP_CALLS, self.startup_timings)
+        self.kv_cache_config = self._initialize_kv_caches()
         self.structured_output_manager = StructuredOutputManager(engine_config)
         # The scheduler gets the block count decided above; its KV cache manager
         # will hand out exactly those blocks (chapter 4).
-        observability = engine_config.observability_config
-        # Chapters 3-4: every scheduling decision is reported to this recorder;
-        # with tracing off it is the no-op one and costs an empty call.
-        self.recorder: StepRecorder = (
-            TraceRecorder(self.kv_cache_config.block_size, self.kv_cache_config.num_blocks)
-            if observability.trace
-            else NULL_RECORDER
-        )
-        self.check_invariants = observability.check_invariants
         async_scheduling = engine_config.scheduler_config.async_scheduling
         scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = scheduler_cls(
-            engine_config.scheduler_config, engine_config.cache_config, self.kv_cache_config, self.recorder,
+            engine_config.scheduler_config, engine_config.cache_config, self.kv_cache_config,
             kv_transfer_config=engine_config.kv_transfer_config,
         )
+        # Instruments (chapters 3-4), attached from outside: the scheduler's code
+        # has no tracing or checking in it, and with both off nothing is attached.
+        observability = engine_config.observability_config
+        self.trace_recorder = TraceRecorder.attach(self.scheduler) if observability.trace else None
+        if observability.check_invariants:
+            check_invariants_after_each_update(self.scheduler)
         # Async scheduling keeps up to two steps in flight: the one whose
         # tokens the scheduler waits for, and the next one, already launched.
         self.batch_queue_size = 2 if async_scheduling else 1
@@ -102,18 +103,11 @@ class EngineCore(TreeNode):
         self.block_hasher = (
             get_request_block_hasher(cache_config.block_size) if cache_config.enable_prefix_caching else None
         )
-        # Seconds per construction step, shown by chapters 1, 5 and 6.
-        self.startup_timings = timings
-        # Where the last step's time went (chapter 5's overlap of CPU work and
-        # forward); step() only, as async steps overlap each other.
-        self.last_step_timing: StepTiming | None = None
 
-    def _initialize_kv_caches(self, timings: dict[str, float]) -> KVCacheConfig:
+    def _initialize_kv_caches(self) -> KVCacheConfig:
         """determine_available_memory -> block count -> initialize_from_config."""
         config = self.engine_config
-        start = time.perf_counter()
         available = self.model_executor.determine_available_memory()
-        timings["determine_available_memory"] = time.perf_counter() - start
         kv_cache_config = get_kv_cache_config(
             self.model_executor.get_kv_cache_spec(),
             available,
@@ -122,13 +116,9 @@ class EngineCore(TreeNode):
             budget_note=profile.describe() if (profile := self.model_executor.memory_profile) else "",
         )
         config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-        start = time.perf_counter()
         self.model_executor.initialize_from_config(kv_cache_config)
-        timings["initialize_from_config"] = time.perf_counter() - start
-        start = time.perf_counter()
         # CUDA graphs are recorded now: they read the KV cache just bound.
         self.model_executor.compile_or_warm_up_model()
-        timings["compile_or_warm_up_model"] = time.perf_counter() - start
         profile = self.model_executor.memory_profile
         if profile is not None:
             self.memory_report = MemoryReport(profile, kv_cache_config, config.model_config.max_model_len)
@@ -139,7 +129,7 @@ class EngineCore(TreeNode):
     @property
     def trace(self) -> EngineTrace | None:
         """The step trace (chapters 3-4), or None when tracing is off."""
-        return self.recorder.trace if isinstance(self.recorder, TraceRecorder) else None
+        return self.trace_recorder.trace if self.trace_recorder is not None else None
 
     def tree_label_extra(self) -> str | None:
         running, waiting = self.scheduler.get_request_counts()
@@ -173,8 +163,6 @@ class EngineCore(TreeNode):
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End requests early (the user aborted, or a stop string was found)."""
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
-        if self.check_invariants:
-            check_invariants(self.scheduler)
 
     # ---- the loop body (chapter 7) -------------------------------------------
 
@@ -182,36 +170,22 @@ class EngineCore(TreeNode):
         """Schedule, execute, and make output.
 
         Returns the outputs and whether the model ran (False when there was
-        nothing to schedule, e.g. every waiting request is blocked).
+        nothing to schedule, e.g. every waiting request is blocked). The forward
+        pass starts on the forward thread and ``execute_model`` returns a future
+        at once, so the grammar bitmask is built while the model runs; sampling
+        waits for both. (Chapter 5's step table times these phases from outside,
+        with ``StepTimer`` in step_timing.py.)
         """
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(), False
-        self.recorder.on_step_begin()
-        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        self.recorder.on_schedule_done(self.scheduler)
-        launched = time.perf_counter()
-        # The forward pass starts on the forward thread and this call returns at
-        # once, so the grammar bitmask below is built while the model runs.
         future = self.model_executor.execute_model(scheduler_output, non_block=True)
-        forward_clock = CompletionClock(future)
         grammar_output = self.structured_output_manager.grammar_bitmask(scheduler_output)
-        bitmask_end = time.perf_counter()
         model_output = future.result()
-        result_end = time.perf_counter()
         if model_output is None:
             # Sampling was deferred until the bitmask was ready.
             model_output = self.model_executor.sample_tokens(grammar_output)
-        self.recorder.on_execute_done()
-        sampled = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        self.recorder.on_step_end()
-        self.last_step_timing = StepTiming.from_marks(
-            scheduler_output.total_num_scheduled_tokens,
-            start, launched, forward_clock.end(result_end), bitmask_end, result_end, sampled, time.perf_counter()
-        )
-        if self.check_invariants:
-            check_invariants(self.scheduler)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> tuple[EngineCoreOutputs, bool]:
@@ -245,8 +219,6 @@ class EngineCore(TreeNode):
             return EngineCoreOutputs(), False
         oldest = self.batch_queue.pop()
         outputs = self.scheduler.update_from_output(oldest.scheduler_output, oldest.result())
-        if self.check_invariants:
-            check_invariants(self.scheduler)
         return outputs, model_executed
 
     def shutdown(self) -> None:

@@ -53,13 +53,43 @@ class EngineCoreClient(ABC):
     def get_trace(self) -> EngineTrace | None:
         """The engine core's step trace (chapters 3-4); None when tracing is off."""
 
+    def get_engine_core(self) -> EngineCore:
+        """The live ``EngineCore`` behind this client, for code that inspects it.
+
+        Chapter 5 puts this client between ``LLMEngine`` and ``EngineCore`` so the
+        engine never learns where the core runs. Driving the engine needs only the
+        messages above (``add_request``, ``get_output``, ...), which any transport
+        can carry. Reading the core's state -- its scheduler, its KV cache manager,
+        the memory report of chapter 6 -- needs the object itself, and only a
+        client in the same process has one to give: ``InprocClient``, the client
+        ``LLM(...)`` builds by default, holds it as ``self.engine_core``, just as
+        vLLM 0.32's ``InprocClient`` does (``vllm/v1/engine/core_client.py``).
+
+        The base class therefore raises ``RuntimeError``. Asking is not a wrong
+        argument type (``TypeError``) nor an unfinished method
+        (``NotImplementedError``): every client is a valid ``EngineCoreClient``,
+        and a client whose core runs in another process -- the multi-process
+        client chapter 8 adds -- can never hand out that object; whether one
+        exists depends on how the engine was started, which is known only at run
+        time. Chapters and tests that inspect the core call this instead of
+        reaching through ``.engine_core``, so the type checker knows what they get
+        and they fail with this message, not an ``AttributeError``, on such a
+        client.
+        """
+        raise RuntimeError(
+            f"{type(self).__name__} does not hold the EngineCore: with this client it "
+            "lives in another process, so there is no live object to hand out. Only "
+            "the in-process client (InprocClient, the default of LLM(...)) can give it."
+        )
+
 
 class InprocClient(EngineCoreClient, TreeNode):
     """In-process: each ``get_output`` is one direct ``EngineCore.step()``
     (``step_with_batch_queue()`` with async scheduling).
 
     The client, not LLMEngine, holds the EngineCore, so printing the client
-    shows the subtree the seed note draws below ``engine_core``.
+    shows the subtree that chapter 5 of the study notes draws below
+    ``engine_core``.
     """
 
     tree_children = ("engine_core",)
@@ -86,3 +116,7 @@ class InprocClient(EngineCoreClient, TreeNode):
     def get_trace(self) -> EngineTrace | None:
         # Same process: the live object itself, still growing as steps run.
         return self.engine_core.trace
+
+    def get_engine_core(self) -> EngineCore:
+        """The ``EngineCore`` this client drives: same process, the object itself."""
+        return self.engine_core

@@ -6,24 +6,23 @@ generating, ``llm.trace`` is an ``EngineTrace`` with one ``StepTrace`` per step.
 ``llm.trace.to_table()`` renders it with rich, ``llm.trace.save_timeline(path)``
 draws a per-request timeline with KV usage beneath (needs the ``plot`` extra).
 
-Modules: ``data`` (the dataclasses), ``recorder`` (the hooks the scheduler
-calls; a no-op when tracing is off), ``table`` (rich), ``timeline`` (matplotlib).
+Modules: ``data`` (the dataclasses), ``recorder`` (watches the scheduler from
+outside; nothing is watched when tracing is off), ``table`` (rich),
+``timeline`` (matplotlib).
 
 vLLM 0.32 counterpart: none; vLLM reports aggregate metrics
 (``vllm/v1/metrics/stats.py``) rather than a per-step trace.
 """
 
 from nanoengine.trace.data import EngineTrace, Preemption, RequestTimeline, ScheduledChunk, Segment, StepTrace
-from nanoengine.trace.recorder import NULL_RECORDER, StepRecorder, TraceRecorder
+from nanoengine.trace.recorder import TraceRecorder
 
 __all__ = [
-    "NULL_RECORDER",
     "EngineTrace",
     "Preemption",
     "RequestTimeline",
     "ScheduledChunk",
     "Segment",
-    "StepRecorder",
     "StepTrace",
     "TraceRecorder",
 ]

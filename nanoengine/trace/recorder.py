@@ -1,27 +1,31 @@
-"""The step recorder: the hooks the scheduler and KV cache manager call.
+"""The step recorder: watches the scheduler from outside and writes one StepTrace per step.
 
 Chapters 3 (scheduler) and 4 (KV cache manager). To *see* a scheduling decision
 one needs the facts at the moment they are made: which request got how many
-tokens, which blocks it received, who was preempted and why. Rather than
-sprinkling prints through ``Scheduler.schedule()``, the scheduler and the KV
-cache manager call a handful of ``on_*`` hooks on a recorder object:
+tokens, which blocks it received, who was preempted and why, which cached block
+was evicted. Rather than sprinkling calls through ``Scheduler.schedule()``,
+``TraceRecorder.attach(scheduler)`` taps a few methods of that one scheduler,
+its KV cache manager and its block pool (``nanoengine/utils/method_taps.py``):
 
-* ``StepRecorder`` (this module's base class) does nothing in every hook. It is
-  what an engine gets when tracing is off, so the hot path pays one empty
-  method call per event and never builds an argument it would not need (hooks
-  receive objects the caller already holds and read what they want themselves).
-* ``TraceRecorder`` turns the same calls into ``StepTrace`` records
-  (see ``nanoengine/trace/data.py``) collected in an ``EngineTrace``.
+* ``Scheduler.add_request``: an arrival;
+* ``Scheduler.schedule``: the step's chunks, read off the ``SchedulerOutput``,
+  and the KV usage and queue sizes it leaves;
+* ``KVCacheManager.allocate_slots``: who asked for blocks, and what they got;
+* ``Scheduler._preempt_request``: a preemption (victim, reason, beneficiary);
+* ``KVCacheManager.free``: the block table a request gives back;
+* ``BlockPool._maybe_evict_cached_block``: a cached block reused (LRU eviction);
+* ``Scheduler._free_request``: a request that finished, and how;
+* ``Scheduler.update_from_output``: the end of the step.
 
-``EngineCore`` owns the recorder and brackets each step with
-``on_step_begin`` / ``on_schedule_done`` / ``on_execute_done`` / ``on_step_end``,
-which also time the three phases. Pure Python, no torch: ``nanoengine/core``
-may import it.
+The scheduler's code contains none of this, and an engine without
+``trace=True`` has nothing tapped, so tracing off costs nothing at all.
+Pure Python, no torch.
 
 vLLM 0.32 counterpart: none as such. vLLM exposes the same facts through its
-metrics (``SchedulerStats``, ``PrefixCacheStats`` in ``vllm/v1/metrics/stats.py``)
-and through ``EngineCoreEvent`` timestamps on each request; nanoengine records
-them per step so a learner can replay a run.
+metrics (``SchedulerStats``, ``PrefixCacheStats`` in ``vllm/v1/metrics/stats.py``),
+KV cache events (``BlockStored``, ``BlockRemoved``) and ``EngineCoreEvent``
+timestamps on each request; nanoengine records them per step so a learner can
+replay a run.
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from nanoengine.request import Request
+from nanoengine.request import Request, RequestStatus
 from nanoengine.trace.data import EngineTrace, Preemption, ScheduledChunk, StepTrace
+from nanoengine.utils.method_taps import tap
 
-if TYPE_CHECKING:  # only for annotations: these modules import this one
+if TYPE_CHECKING:  # annotations only: the recorder watches these, it does not build them
     from nanoengine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from nanoengine.core.kv_cache_utils import KVCacheBlock
+    from nanoengine.core.sched.output import SchedulerOutput
     from nanoengine.core.sched.scheduler import Scheduler
 
 # Why a running request lost its blocks (``Preemption.reason``).
@@ -42,118 +48,114 @@ PREEMPT_OUT_OF_BLOCKS = "out of KV blocks"
 PREEMPT_FOR_PRIORITY = "priority"
 
 
-class StepRecorder:
-    """The no-op recorder: every hook is empty (tracing off costs a call, nothing more)."""
+class TraceRecorder:
+    """Records a scheduler's decisions into an ``EngineTrace``, one ``StepTrace`` per step.
 
-    enabled = False
-
-    def on_request_added(self, request: Request) -> None:
-        """A request entered the waiting queue."""
-
-    def on_step_begin(self) -> None:
-        """``EngineCore.step()`` starts; ``schedule()`` is next."""
-
-    def on_scheduled(
-        self, request: Request, num_new_tokens: int, new_blocks: KVCacheBlocks, is_new: bool
-    ) -> None:
-        """``request`` was booked into this step (before its count advances).
-
-        ``request.num_computed_tokens`` is where this step's tokens start; for
-        a newly admitted request it already includes the prefix-cache hit.
-        """
-
-    def on_preempted(self, victim: Request, reason: str, for_request: Request) -> None:
-        """``victim`` lost its blocks so that ``for_request`` could get some."""
-
-    def on_request_freeing(self, manager: KVCacheManager, request: Request) -> None:
-        """``request``'s blocks are about to go back to the pool (finish or preemption)."""
-
-    def on_block_evicted(self, block: KVCacheBlock) -> None:
-        """A free block that was still in the prefix cache is reused: its hash is dropped."""
-
-    def on_request_finished(self, request: Request) -> None:
-        """``request`` reached a FINISHED_* state (stop, length, abort, ignored)."""
-
-    def on_schedule_done(self, scheduler: Scheduler) -> None:
-        """``schedule()`` returned: the step's plan and KV usage are final."""
-
-    def on_execute_done(self) -> None:
-        """The forward pass and sampling are done; ``update_from_output`` is next."""
-
-    def on_step_end(self) -> None:
-        """``update_from_output`` returned: the step is over."""
-
-
-NULL_RECORDER = StepRecorder()
-
-
-class TraceRecorder(StepRecorder):
-    """Records every hook into an ``EngineTrace``, one ``StepTrace`` per step.
-
+    A step runs from ``schedule()`` to the end of ``update_from_output()``.
     Events between two steps (new arrivals, aborts) are filed under the next
     step: that is the first step in which they make a difference.
     """
-
-    enabled = True
 
     def __init__(self, block_size: int, num_blocks: int) -> None:
         self.trace = EngineTrace(block_size=block_size, num_blocks=num_blocks)
         self._open = StepTrace(step=0)
         self._clock = 0.0  # perf_counter() at the start of the current phase
+        # The last request that asked the KV cache manager for blocks, and the
+        # blocks each request got this step (allocate_slots' answers).
+        self._asking: Request | None = None
+        self._new_block_ids: dict[str, list[int]] = {}
 
-    def on_request_added(self, request: Request) -> None:
-        self._open.arrived.append(request.request_id)
+    @classmethod
+    def attach(cls, scheduler: Scheduler) -> TraceRecorder:
+        """Tap ``scheduler`` (and its KV cache manager and block pool); return the recorder."""
+        manager = scheduler.kv_cache_manager
+        recorder = cls(scheduler.block_size, manager.block_pool.num_blocks)
+        tap(scheduler, "add_request", after=lambda _, request: recorder._open.arrived.append(request.request_id))
+        tap(scheduler, "schedule", before=recorder._on_schedule_begin,
+            after=lambda output: recorder._on_schedule_done(scheduler, output))
+        tap(manager, "allocate_slots", before=recorder._on_allocate, after=recorder._on_allocated)
+        tap(scheduler, "_preempt_request", before=recorder._on_preempt)
+        tap(manager, "free", before=lambda request: recorder._on_free(manager, request))
+        tap(manager.block_pool, "_maybe_evict_cached_block", before=recorder._on_maybe_evict)
+        tap(scheduler, "_free_request", after=recorder._on_request_freed)
+        tap(scheduler, "update_from_output", before=recorder._on_update_begin, after=recorder._on_step_end)
+        return recorder
 
-    def on_step_begin(self) -> None:
+    # ---- schedule() ------------------------------------------------------------
+
+    def _on_schedule_begin(self) -> None:
         self._clock = time.perf_counter()
+        self._new_block_ids = {}
 
-    def on_scheduled(
-        self, request: Request, num_new_tokens: int, new_blocks: KVCacheBlocks, is_new: bool
-    ) -> None:
-        start = request.num_computed_tokens
-        self._open.scheduled.append(
-            ScheduledChunk(
-                request_id=request.request_id,
-                kind=_chunk_kind(request, start, num_new_tokens, is_new),
-                start=start,
-                num_tokens=num_new_tokens,
-                num_prompt_tokens=request.num_prompt_tokens,
-                new_block_ids=new_blocks.get_block_ids(),
-                num_cached_tokens=start if is_new else 0,
-            )
-        )
+    def _on_allocate(self, request: Request, *args: object, **kwargs: object) -> None:
+        self._asking = request
 
-    def on_preempted(self, victim: Request, reason: str, for_request: Request) -> None:
-        # A victim booked earlier in this step is unbooked: drop its chunk too.
-        victim_id = victim.request_id
-        self._open.scheduled = [chunk for chunk in self._open.scheduled if chunk.request_id != victim_id]
-        self._open.preemptions.append(Preemption(victim_id, reason, for_request.request_id))
+    def _on_allocated(self, new_blocks: KVCacheBlocks | None, request: Request, *args: object, **kwargs: object) -> None:
+        if new_blocks is not None:
+            self._new_block_ids[request.request_id] = new_blocks.get_block_ids()
 
-    def on_request_freeing(self, manager: KVCacheManager, request: Request) -> None:
+    def _on_preempt(self, victim: Request, *args: object) -> None:
+        """Name the preemption's cause from the allocation that just failed.
+
+        A preemption always follows an ``allocate_slots`` that returned None;
+        the request that asked is the one the blocks are for. A running asker
+        ran out of blocks for its next tokens; a waiting one is being admitted
+        over a lower-ranked runner, which only the priority policy does.
+        """
+        beneficiary = self._asking if self._asking is not None else victim
+        reason = PREEMPT_OUT_OF_BLOCKS if beneficiary.status == RequestStatus.RUNNING else PREEMPT_FOR_PRIORITY
+        self._open.preemptions.append(Preemption(victim.request_id, reason, beneficiary.request_id))
+
+    def _on_free(self, manager: KVCacheManager, request: Request) -> None:
         block_ids = manager.get_block_ids(request.request_id)
         if block_ids:
             self._open.freed_block_ids[request.request_id] = block_ids
 
-    def on_block_evicted(self, block: KVCacheBlock) -> None:
-        self._open.evicted_block_ids.append(block.block_id)
+    def _on_maybe_evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:  # it held cached contents: they are lost now
+            self._open.evicted_block_ids.append(block.block_id)
 
-    def on_request_finished(self, request: Request) -> None:
+    def _on_request_freed(self, _: None, request: Request) -> None:
         self._open.finished[request.request_id] = request.status.name
 
-    def on_schedule_done(self, scheduler: Scheduler) -> None:
+    def _on_schedule_done(self, scheduler: Scheduler, output: SchedulerOutput) -> None:
+        """Read the step's chunks off the output, and the state it leaves."""
         step = self._open
         step.schedule_s = self._lap()
+        new_starts = {data.req_id: data.num_computed_tokens for data in output.scheduled_new_reqs}
+        cached = output.scheduled_cached_reqs
+        cached_starts = dict(zip(cached.req_ids, cached.num_computed_tokens))
+        # num_scheduled_tokens keeps booking order: running requests, then admissions.
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            is_new = req_id in new_starts
+            start = new_starts[req_id] if is_new else cached_starts[req_id]
+            step.scheduled.append(
+                ScheduledChunk(
+                    request_id=req_id,
+                    kind=_chunk_kind(request, start, num_tokens, is_new),
+                    start=start,
+                    num_tokens=num_tokens,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    new_block_ids=self._new_block_ids.get(req_id, []),
+                    num_cached_tokens=start if is_new else 0,
+                )
+            )
         manager = scheduler.kv_cache_manager
         step.kv_usage = manager.usage
         step.num_free_blocks = manager.num_free_blocks
         step.num_running, step.num_waiting = scheduler.get_request_counts()
         stats = manager.prefix_cache_stats
         step.prefix_cache_queries, step.prefix_cache_hits = stats.queries, stats.hits
+        self._asking = None
 
-    def on_execute_done(self) -> None:
+    # ---- update_from_output() ----------------------------------------------------
+
+    def _on_update_begin(self, *args: object) -> None:
+        # From the end of schedule() to here: the forward pass and sampling.
         self._open.execute_s = self._lap()
 
-    def on_step_end(self) -> None:
+    def _on_step_end(self, *args: object) -> None:
         finished_step = self._open
         finished_step.update_s = self._lap()
         self.trace.steps.append(finished_step)

@@ -6,6 +6,9 @@ computed from the running engine instead of typed into the notes by hand.
 vLLM 0.32 counterpart: ``vllm/utils/`` (a grab bag of helpers); nothing there
 draws such a tree.
 
+``math_utils`` (``cdiv``) and ``mem_utils`` (``format_bytes``) are named after
+their vLLM counterparts and import nothing, so ``nanoengine/core`` may use them.
+
 The package stays empty on purpose: importing ``nanoengine.utils.<module>`` should
 pay only for that module (``component_tree`` pulls in rich, others may pull torch).
 """

@@ -51,8 +51,6 @@ class CUDAGraphRunner:
             seq_lens=self.seq_lens[:size],
             block_table=self.block_table[:size],
             slot_mapping=self.slot_mapping[:size],
-            max_query_len=1,
-            max_seq_len=0,
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[0] * size,
             token_to_req=self.query_start_loc[:size],

@@ -143,8 +143,6 @@ def prepare_inputs(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_table=block_table.to(device),
         slot_mapping=slot_mapping.to(device),
-        max_query_len=max(num_scheduled, default=0),
-        max_seq_len=max(seq_lens, default=0),
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
     )

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from nanoengine.core.kv_cache_sizing import format_bytes, max_concurrency
+from nanoengine.core.kv_cache_sizing import max_concurrency
 from nanoengine.kv_cache_interface import KVCacheConfig
+from nanoengine.utils.mem_utils import format_bytes
 from nanoengine.worker.worker import MemoryProfile
 
 

@@ -24,7 +24,6 @@ import torch
 from nanoengine.attention.layer import bind_kv_cache, set_attention_impl
 from nanoengine.attention.selector import get_attention_impl, resolve_backend_name
 from nanoengine.config import EngineConfig
-from nanoengine.core.kv_cache_sizing import cdiv
 from nanoengine.core.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     GrammarOutput,
@@ -42,8 +41,8 @@ from nanoengine.sample.metadata import SamplingMetadata
 from nanoengine.sample.sampler import Sampler
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.utils.component_tree import TreeNode
+from nanoengine.utils.math_utils import cdiv
 from nanoengine.worker.cudagraph_dispatcher import (
-    CudagraphDecision,
     CudagraphDispatcher,
     default_capture_sizes,
     pad_decode_inputs,
@@ -108,9 +107,6 @@ class ModelRunner(TreeNode):
             and self.attention_backend == "triton",
         )
         self.cudagraph_runner: CUDAGraphRunner | None = None
-        # The last step's inputs and graph decision, kept for chapter 7's walkthrough.
-        self.last_inputs: StepInputs | None = None
-        self.last_cudagraph_decision: CudagraphDecision | None = None
 
     # ---- construction (chapter 6) ------------------------------------------
 
@@ -284,7 +280,6 @@ class ModelRunner(TreeNode):
         """Hidden states for all tokens, logits only for the rows that sample."""
         md = inputs.attn_metadata
         decision = self.dispatcher.dispatch(md.num_reqs, md.num_actual_tokens, md.block_table.shape[1])
-        self.last_inputs, self.last_cudagraph_decision = inputs, decision
         if decision.use_graph and self.cudagraph_runner is not None:
             padded = pad_decode_inputs(inputs, decision.padded_batch_size, self.max_blocks_per_req)
             # [padded, vocab]; the padding rows' logits are simply never indexed.

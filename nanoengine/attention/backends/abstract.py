@@ -36,8 +36,6 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on device
     # Flat cache slot (block_id * block_size + offset) for each scheduled token.
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64, on device
-    max_query_len: int
-    max_seq_len: int
     # The same offsets as Python lists: reference loops index them without syncs.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoengine.attention.backends.abstract import AttentionMetadata
-from nanoengine.core.kv_cache_sizing import cdiv
+from nanoengine.utils.math_utils import cdiv
 
 
 def write_to_kv_cache(

@@ -64,9 +64,6 @@ class RequestQueue(ABC):
         for request in reversed(list(requests)):
             self.prepend_request(request)
 
-    def remove_request(self, request: Request) -> None:
-        self.remove_requests([request])
-
 
 class FCFSRequestQueue(RequestQueue):
     """Arrival order; a deque makes both ends O(1)."""

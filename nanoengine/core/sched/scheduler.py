@@ -13,14 +13,15 @@ One step is ``schedule()`` -> model runner -> ``update_from_output()``:
    remaining budget. When the KV cache has no block for one, the lowest-priority
    running request is preempted (its blocks freed; it will be recomputed).
 2. Then WAITING requests in queue order, as long as budget, ``max_num_seqs`` and
-   free blocks last; the prefix cache is consulted before allocating.
+   free blocks last; the prefix cache is consulted before allocating. Requests
+   blocked on something else (chapter 5's three WAITING_FOR_* states) keep their
+   place; ``_handle_blocked_waiting_request`` decides when they may go.
+3. ``update_from_output`` appends the sampled tokens and retires finished
+   requests: the only method that produces outputs for the front end.
 
 Policies, as in vLLM: ``fcfs`` (arrival order; the newest runner is the victim)
 and ``priority`` (lower ``Request.priority`` first, ties by arrival; the lowest
 ranked is the victim, and a waiting request may preempt a runner ranked below it).
-3. ``update_from_output`` (output_update.py) appends sampled tokens and retires
-   finished requests.
-
 ``AsyncScheduler`` (async_scheduler.py, chapter 7) is this scheduler made safe
 to call again before step 3 of the previous step has happened.
 
@@ -28,7 +29,19 @@ The KV cache manager is a member created here, as in vLLM: whether a request
 can run is decided by ``allocate_slots``, so memory is a direct input of every
 scheduling decision.
 
-vLLM 0.32 counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler``).
+vLLM 0.32 counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler``), one
+class in one file of about 3,400 lines. Its methods are here under the same
+names: ``add_request``, ``finish_requests``, ``schedule``, ``_preempt_request``,
+``_update_after_schedule``, ``_handle_blocked_waiting_request``,
+``update_from_output``, ``_update_request_with_output``, ``_free_request``,
+``has_requests``, ``make_stats``. Three small pieces live next door:
+
+* ``schedule()``'s local variables (``token_budget``, ``num_scheduled_tokens``,
+  ``req_to_new_blocks``, ``preempted_reqs``) are the ``StepPlan`` of step_plan.py;
+* the choice of a preemption victim, inline in vLLM's ``schedule()``, is
+  ``select_preemption_victim`` in utils.py, beside ``check_stop`` (which vLLM
+  also keeps in ``sched/utils.py``);
+* the waiting queue is request_queue.py, as in vLLM.
 """
 
 from __future__ import annotations
@@ -38,12 +51,11 @@ from collections.abc import Iterable
 
 from nanoengine.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from nanoengine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from nanoengine.core.sched import blocked_waiting
-from nanoengine.core.sched.output import SchedulerOutput, SchedulerStats
-from nanoengine.core.sched.output_update import OutputUpdateMixin
+from nanoengine.core.sched.output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from nanoengine.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from nanoengine.core.sched.step_plan import StepPlan
 from nanoengine.core.sched.utils import (
+    check_stop,
     make_engine_core_output,
     select_preemption_victim,
     select_victim_for_admission,
@@ -51,14 +63,13 @@ from nanoengine.core.sched.utils import (
     why_never_fits,
 )
 from nanoengine.distributed.kv_transfer.scheduler_side import SharedStorageConnectorScheduler
-from nanoengine.engine import EngineCoreEventType, EngineCoreOutput
+from nanoengine.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import Request, RequestStatus
-from nanoengine.trace.recorder import NULL_RECORDER, PREEMPT_FOR_PRIORITY, PREEMPT_OUT_OF_BLOCKS, StepRecorder
 from nanoengine.utils.component_tree import TreeNode
 
 
-class Scheduler(OutputUpdateMixin, TreeNode):
+class Scheduler(TreeNode):
     """vLLM V1's scheduler: one token budget, running requests first."""
 
     tree_children = ("kv_cache_manager",)
@@ -68,7 +79,6 @@ class Scheduler(OutputUpdateMixin, TreeNode):
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         kv_cache_config: KVCacheConfig,
-        recorder: StepRecorder = NULL_RECORDER,
         kv_transfer_config: KVTransferConfig | None = None,
     ) -> None:
         validate_scheduler_configs(scheduler_config, cache_config, kv_cache_config)
@@ -96,8 +106,6 @@ class Scheduler(OutputUpdateMixin, TreeNode):
         # next update_from_output(), the only method that returns outputs.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
-        # Sees every decision below (chapter 3's step tracer); a no-op unless tracing.
-        self.recorder = recorder
         # The scheduler half of a KV connector (chapter 5), and the loads it finished.
         transfer = kv_transfer_config
         self.connector = SharedStorageConnectorScheduler(transfer, self.block_size) if transfer else None
@@ -107,7 +115,6 @@ class Scheduler(OutputUpdateMixin, TreeNode):
             kv_cache_config,
             max_model_len=self.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
-            recorder=recorder,
         )
 
     # ---- requests in and out ---------------------------------------------
@@ -118,7 +125,6 @@ class Scheduler(OutputUpdateMixin, TreeNode):
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
         request.record_event(EngineCoreEventType.QUEUED)
-        self.recorder.on_request_added(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """End requests from outside (aborts); unknown or finished ids are ignored.
@@ -157,7 +163,7 @@ class Scheduler(OutputUpdateMixin, TreeNode):
             self._schedule_waiting(plan)
         scheduler_output = plan.make_scheduler_output(self.kv_cache_manager.get_block_ids, self.finished_req_ids)
         self._update_after_schedule(scheduler_output)
-        self.running = blocked_waiting.park_streaming_requests(self.running, self.waiting)
+        self._park_streaming_requests()
         if self.connector is not None:
             scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
                 self.requests, scheduler_output.num_scheduled_tokens, self.kv_cache_manager.get_block_ids
@@ -194,7 +200,7 @@ class Scheduler(OutputUpdateMixin, TreeNode):
                 # list shifted left, and so must our position in it.
                 if victim_index < req_index:
                     req_index -= 1
-                self._preempt_request(victim, plan, PREEMPT_OUT_OF_BLOCKS, for_request=request)
+                self._preempt_request(victim, plan)
                 if victim is request:
                     break  # nobody left to preempt that ranks below this request
             if new_blocks is None:
@@ -202,11 +208,10 @@ class Scheduler(OutputUpdateMixin, TreeNode):
                 # running[req_index] is already the next one. (vLLM stops the
                 # loop here; for FCFS that is the same, as the victim is last.)
                 continue
-            self.recorder.on_scheduled(request, num_new_tokens, new_blocks, is_new=False)
             plan.add(request, num_new_tokens, new_blocks, is_new=False)
             req_index += 1
 
-    def _preempt_request(self, request: Request, plan: StepPlan, reason: str, for_request: Request) -> None:
+    def _preempt_request(self, request: Request, plan: StepPlan) -> None:
         """Preempt by recompute: drop the KV, requeue the request at the front.
 
         Its computed blocks keep their hashes while free, so when it resumes the
@@ -217,7 +222,6 @@ class Scheduler(OutputUpdateMixin, TreeNode):
             plan.undo(request)
         plan.preempted_reqs.append(request)
         request.record_event(EngineCoreEventType.PREEMPTED)
-        self.recorder.on_preempted(request, reason, for_request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -232,13 +236,17 @@ class Scheduler(OutputUpdateMixin, TreeNode):
             request = self.waiting.peek_request()
             if request in plan.preempted_reqs:
                 break  # everything from here on ranks below a request we just evicted
-            if blocked_waiting.is_blocked(request, self.finished_recving_kv_req_ids):
-                # Waiting for something else; keep its place for a later step.
+            if not self._handle_blocked_waiting_request(request):
                 self.waiting.pop_request()
-                if request.is_finished():  # its grammar failed to compile
+                if request.status == RequestStatus.FINISHED_ERROR:  # its grammar failed to compile
                     self._end_unscheduled(request, request.finish_message or "", request.status)
                 else:
-                    skipped.append(request)
+                    skipped.append(request)  # still blocked: keep its place for a later step
+                continue
+            if _waits_for_more_input(request):
+                # A stream whose every received token is computed: park it.
+                request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
+                skipped.append(self.waiting.pop_request())
                 continue
             message = why_never_fits(request, self.max_model_len, self.kv_cache_manager)
             if message is not None:
@@ -246,17 +254,22 @@ class Scheduler(OutputUpdateMixin, TreeNode):
                 self._end_unscheduled(request, message, RequestStatus.FINISHED_IGNORED)
                 continue
 
-            hit_blocks, num_cached_tokens = blocked_waiting.computed_blocks(self.kv_cache_manager, request)
-            if self.connector and blocked_waiting.start_remote_kv_load(
-                self.connector, self.kv_cache_manager, request, hit_blocks, num_cached_tokens
-            ):
+            # Prefix-cache hits, unless the request already holds KV (a resumed
+            # stream, or a finished remote load): it keeps that and looks nothing up.
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_new_local_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            else:
+                hit_blocks, num_new_local_computed_tokens = KVCacheBlocks(), 0
+            num_computed_tokens = request.num_computed_tokens + num_new_local_computed_tokens
+            if self.connector is not None and self._start_remote_kv_load(request, hit_blocks, num_computed_tokens):
                 skipped.append(self.waiting.pop_request())  # now WAITING_FOR_REMOTE_KVS
                 continue
-            num_new_tokens = self._num_new_tokens(request, num_cached_tokens, plan.token_budget)
+            num_new_tokens = self._num_new_tokens(request, num_computed_tokens, plan.token_budget)
             if num_new_tokens == 0:
                 break  # prompt does not fit and chunking is off: wait, in order
-            num_new_computed = num_cached_tokens - request.num_computed_tokens  # 0 if it holds its KV
-            new_blocks = self._allocate_for_admission(request, num_new_tokens, num_new_computed, hit_blocks, plan)
+            new_blocks = self._allocate_for_admission(
+                request, num_new_tokens, num_new_local_computed_tokens, hit_blocks, plan
+            )
             if new_blocks is None:
                 break  # out of blocks: wait for running requests to free some
 
@@ -265,14 +278,17 @@ class Scheduler(OutputUpdateMixin, TreeNode):
             plan.add(request, num_new_tokens, new_blocks, is_new=True)
             request.status = RequestStatus.RUNNING
             request.record_event(EngineCoreEventType.SCHEDULED)
-            request.num_computed_tokens = num_cached_tokens
+            request.num_computed_tokens = num_computed_tokens
             if request.num_cached_tokens < 0:  # first schedule, not a resume
-                request.num_cached_tokens = num_cached_tokens
-            self.recorder.on_scheduled(request, num_new_tokens, new_blocks, is_new=True)
+                request.num_cached_tokens = num_computed_tokens
         self.waiting.prepend_requests(skipped)
 
     def _allocate_for_admission(
-        self, request: Request, num_new_tokens: int, num_cached_tokens: int, hit_blocks: KVCacheBlocks,
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int,
+        hit_blocks: KVCacheBlocks,
         plan: StepPlan,
     ) -> KVCacheBlocks | None:
         """Blocks for a waiting request; under priority, taken from lower-priority runners.
@@ -284,20 +300,19 @@ class Scheduler(OutputUpdateMixin, TreeNode):
         -- ``hit_blocks`` (looked up before any preemption) may include them, and
         preempting their owner would leave them unwritten.
         """
+        manager = self.kv_cache_manager
         while (
-            new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_cached_tokens, hit_blocks)
+            new_blocks := manager.allocate_slots(request, num_new_tokens, num_new_local_computed_tokens, hit_blocks)
         ) is None:
             preemptable = [
-                r
-                for r in self.running
-                if r not in plan.new_reqs and not self.kv_cache_manager.has_uncomputed_cached_blocks(r)
+                r for r in self.running if r not in plan.new_reqs and not manager.has_uncomputed_cached_blocks(r)
             ]
             victim_index = select_victim_for_admission(preemptable, request, self.policy)
             if victim_index is None:
                 return None
             victim = preemptable[victim_index]
             self.running.remove(victim)
-            self._preempt_request(victim, plan, PREEMPT_FOR_PRIORITY, for_request=request)
+            self._preempt_request(victim, plan)
         return new_blocks
 
     def _end_unscheduled(self, request: Request, message: str, status: RequestStatus) -> None:
@@ -320,6 +335,160 @@ class Scheduler(OutputUpdateMixin, TreeNode):
             self.requests[req_id].num_computed_tokens += num_scheduled
         # This step's output owns the old set; start collecting for the next one.
         self.finished_req_ids = set()
+
+    # ---- blocked waiting (chapter 5) -----------------------------------------
+
+    # BEGIN EXERCISE 5.2
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        """Promote ``request`` if what it waits for is ready; True if it may be scheduled now.
+
+        A request that was never blocked (WAITING, PREEMPTED) is schedulable as is.
+        A promoted request returns to PREEMPTED if it had been preempted before
+        (so it is resumed, not started), else to WAITING. A grammar that failed to
+        compile ends the request as FINISHED_ERROR (the caller retires it).
+        A finished remote KV load is read from ``self.finished_recving_kv_req_ids``
+        and removed from it.
+        """
+        status = request.status
+        if status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+            structured = request.structured_output_request
+            if structured is None or not structured.is_ready:
+                return False
+            if structured.compile_error is not None:
+                request.finish_message = structured.compile_error
+                request.status = RequestStatus.FINISHED_ERROR
+                return False
+        elif status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if request.request_id not in self.finished_recving_kv_req_ids:
+                return False
+            self.finished_recving_kv_req_ids.discard(request.request_id)
+        elif status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+            # More prompt arrived, or the input was closed (which releases the
+            # held-back last token).
+            if request.num_prefillable_tokens <= request.num_computed_tokens:
+                return False
+        else:
+            return True
+        request.status = RequestStatus.PREEMPTED if request.num_preemptions > 0 else RequestStatus.WAITING
+        return True
+
+    # END EXERCISE 5.2
+
+    def _park_streaming_requests(self) -> None:
+        """Move running streams that computed all they have to the waiting queue.
+
+        Called right after scheduling, when ``num_computed_tokens`` already counts
+        this step. They keep their blocks (the KV of every piece so far) and wait
+        in WAITING_FOR_STREAMING_REQ; the scheduler sends them to the worker again
+        as new requests when they resume.
+        """
+        still_running: list[Request] = []
+        for request in self.running:
+            if _waits_for_more_input(request):
+                request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
+                self.waiting.add_request(request)
+            else:
+                still_running.append(request)
+        self.running = still_running
+
+    def _start_remote_kv_load(self, request: Request, hit_blocks: KVCacheBlocks, num_computed_tokens: int) -> bool:
+        """If the connector holds more of the prompt, allocate blocks and block the request.
+
+        The worker fills the blocks on a thread; the request waits in
+        WAITING_FOR_REMOTE_KVS until ``ModelRunnerOutput`` reports the load done.
+        The blocks stay out of the prefix cache until then. False (nothing changed)
+        when there is nothing to load or no room for it. (vLLM does this inline
+        in ``schedule()``, around ``connector.get_num_new_matched_tokens``.)
+        """
+        assert self.connector is not None
+        if request.num_computed_tokens > 0:
+            return False
+        num_external = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
+        if num_external == 0:
+            return False
+        manager = self.kv_cache_manager
+        new_blocks = manager.allocate_slots(
+            request, num_external, num_computed_tokens, hit_blocks, delay_cache_blocks=True
+        )
+        if new_blocks is None:
+            return False
+        block_ids = manager.get_block_ids(request.request_id)
+        self.connector.update_state_after_alloc(request, block_ids, num_computed_tokens, num_external)
+        request.num_computed_tokens = num_computed_tokens + num_external
+        request.num_external_computed_tokens = num_external
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        return True
+
+    # ---- update_from_output() (chapters 3 and 7) -------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Fold sampled tokens into the requests, retire finished ones, report."""
+        sampled_by_req = model_runner_output.by_request()
+        if model_runner_output.kv_connector_output is not None:  # remote KV loads that completed
+            self.finished_recving_kv_req_ids |= model_runner_output.kv_connector_output.finished_recving
+        outputs, self._pending_outputs = self._pending_outputs, []
+        stopped_running: set[Request] = set()
+        stopped_waiting: list[Request] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            if self.finished_in_flight[req_id] and sampled_by_req.get(req_id):
+                # Async scheduling: the request ended (stopped by the previous
+                # step's token, or aborted) while this step sampled for it. The
+                # token is dropped even if a new request has taken the id since.
+                self.finished_in_flight[req_id] -= 1
+                if not self.finished_in_flight[req_id]:
+                    del self.finished_in_flight[req_id]
+                continue
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted while a step without a token for it ran
+            was_running = request.status == RequestStatus.RUNNING
+            # Empty for a partial prefill: its last position sampled nothing.
+            new_token_ids, is_stopped = self._update_request_with_output(request, sampled_by_req.get(req_id, []))
+            if is_stopped:
+                if was_running:
+                    stopped_running.add(request)
+                else:
+                    # Only async scheduling stops a waiting request: one preempted
+                    # while the step that samples its last token was in flight.
+                    stopped_waiting.append(request)
+                self._free_request(request)
+            if new_token_ids or is_stopped:
+                outputs.append(make_engine_core_output(request, new_token_ids))
+        if stopped_running:
+            self.running = [request for request in self.running if request not in stopped_running]
+        if stopped_waiting:
+            self.waiting.remove_requests(stopped_waiting)
+        return EngineCoreOutputs(outputs=outputs)
+
+    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+        """Append tokens one by one, stopping at the first stop condition.
+
+        Returns the tokens kept and whether the request stopped. One token per
+        step in nanoengine, but a list keeps the door open for speculative
+        decoding, where tokens after a stop must be dropped.
+        """
+        for num_kept, token_id in enumerate(new_token_ids, start=1):
+            request.append_output_token_ids(token_id)
+            if request.structured_output_request is not None:  # advance the grammar
+                request.structured_output_request.accept_tokens([token_id])
+            if check_stop(request, self.max_model_len):
+                return new_token_ids[:num_kept], True
+        return new_token_ids, False
+
+    def _free_request(self, request: Request) -> None:
+        """Forget a finished request: blocks back to the pool, worker told.
+
+        Its blocks may go back while a step in flight still writes its KV: that
+        is safe, as the forward passes run in order and a block's next owner
+        only writes it in a later step, and reads only the slots it wrote.
+        """
+        if request.num_output_placeholders:
+            self.finished_in_flight[request.request_id] += request.num_output_placeholders
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
 
     # ---- queries -----------------------------------------------------------
 
@@ -358,3 +527,8 @@ class Scheduler(OutputUpdateMixin, TreeNode):
             prefix_cache_hits=prefix_stats.hits,
             num_preemptions=self.num_preemptions,
         )
+
+
+def _waits_for_more_input(request: Request) -> bool:
+    """A streamed prompt whose every received token (but the held-back last) is computed."""
+    return request.streaming_input_open and request.num_prefillable_tokens <= request.num_computed_tokens

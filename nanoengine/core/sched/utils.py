@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from nanoengine.config import CacheConfig, SchedulerConfig
 from nanoengine.core.kv_cache_manager import KVCacheManager
-from nanoengine.core.kv_cache_sizing import cdiv
 from nanoengine.core.sched.request_queue import SchedulingPolicy
 from nanoengine.engine import EngineCoreOutput
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import Request, RequestStatus
+from nanoengine.utils.math_utils import cdiv
 
 
 # BEGIN EXERCISE 3.2

@@ -20,18 +20,10 @@ the storage-directory example connector lives beside it).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanoengine.request import BlockHash
-
-
-class KVConnectorRole(enum.Enum):
-    """Which half of the connector an object is: vLLM builds one of each."""
-
-    SCHEDULER = "scheduler"
-    WORKER = "worker"
 
 
 @dataclass
