@@ -16,7 +16,7 @@ MERMAID_JS := docs/javascripts/vendor/mermaid.min.js
 # apt-get needs root; elsewhere sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv model demo test bench bench-vllm mypy clean browser docs-assets docs
+.PHONY: venv kernels model demo test bench bench-vllm mypy clean browser docs-assets docs
 
 venv: $(STAMP)
 
@@ -26,15 +26,22 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -e ".[dev,docs]"
 	touch $(STAMP)
 
+# The C++ CPU kernels, compiled now (about a minute, announced) rather than inside the
+# first LLM(...) or grade; a cached build takes a second. Without a compiler the engine
+# still runs (plain torch), so a failed build only warns here.
+kernels: venv
+	$(PYTHON) -c "import sys; from nanoengine._custom_ops import cpu_ops_available; sys.exit(not cpu_ops_available())" \
+		|| echo "C++ kernels not built: the engine will use the plain torch code"
+
 # Idempotent: prints "already prepared at ..." when the converted model is in the cache.
 model: venv
 	$(PYTHON) scripts/prepare_model.py
 
-demo: venv model
+demo: venv kernels model
 	$(PYTHON) -m chapters.ch05_skeleton
 
 # tests/test_docs_site.py builds the site strictly and drives it in headless Chromium.
-test: venv model browser docs-assets
+test: venv kernels model browser docs-assets
 	$(PYTHON) -m pytest
 
 # Debian's chromium, for the docs browser test; skipped when already installed.

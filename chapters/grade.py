@@ -2,13 +2,15 @@
 
     python -m chapters.grade 4.1 [--model DIR]     # grade chapters/exercises/ex4_1.py
     python -m chapters.grade --all
+    python -m chapters.grade 4.1 --reset            # put back the untouched stub of 4.1
 
 For the duration of grading, the student's function replaces the reference one
 wherever the engine can reach it: a method is set on its class (re-wrapped in
 ``staticmethod`` when the reference is one); a module-level function is replaced
 in its module and in every ``nanoengine``/``chapters`` module that imported it by
-name. Each check of ``chapters/grade_checks.py`` then runs with the reference and
-with the student's code; the results must be equal. The same machinery backs
+name. Each check of ``chapters/grade_checks/`` then runs with the reference and
+with the student's code; the results must be equal, and a failure shows only
+what differs (``chapters/grade_messages.py``). The same machinery backs
 ``tests/test_exercises.py`` (pytest marker ``exercise_4_1``; ``NANOENGINE_STUDENT=1``
 grades the stubs instead of the reference).
 
@@ -20,17 +22,20 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from chapters.exercises import Exercise, find_exercises
+from chapters.exercise_stubs import reset_stub
+from chapters.exercises import REPO_ROOT, Exercise, find_exercises
 from chapters.grade_checks import CHECKS, Check
+from chapters.grade_messages import describe_difference, describe_exception
 
 _SWAPPABLE_PACKAGES = ("nanoengine", "chapters")
-_DETAIL_CHARS = 400  # enough to see where two results part ways
 
 
 @dataclass(frozen=True)
@@ -96,31 +101,58 @@ def _run_check(exercise: Exercise, check: Check, candidate: Callable[..., Any], 
         with swapped_in(exercise, candidate):
             actual = check.run(model)
     except Exception as exc:  # noqa: BLE001 -- any failure of the candidate is a failed check
-        return CheckResult(check.name, False, f"raised {type(exc).__name__}: {exc}"[:_DETAIL_CHARS])
-    if actual != expected:
-        detail = f"expected {expected!r}\n     got {actual!r}"
-        return CheckResult(check.name, False, detail[: 2 * _DETAIL_CHARS])
-    return CheckResult(check.name, True, "")
+        return CheckResult(check.name, False, describe_exception(exc, _source_file(candidate)))
+    differences = describe_difference(expected, actual)
+    return CheckResult(check.name, not differences, "\n".join(differences))
 
 
-def grade(exercise_id: str, candidate: Callable[..., Any], model: str) -> list[CheckResult]:
-    """Every check of one exercise, run with ``candidate`` swapped in."""
+def _source_file(function: Callable[..., Any]) -> Path | None:
+    """Where ``function`` is written, so an error can point into the student's file."""
+    try:
+        found = inspect.getsourcefile(function)
+    except TypeError:  # a builtin has no source file
+        return None
+    return Path(found).resolve() if found else None
+
+
+def iter_grade(exercise_id: str, candidate: Callable[..., Any], model: str) -> Iterator[CheckResult]:
+    """Each check of one exercise in order, run with ``candidate`` swapped in, as it finishes."""
     exercises = find_exercises()
     if exercise_id not in exercises:
         raise ValueError(f"Unknown exercise {exercise_id!r}; known: {', '.join(exercises)}.")
     if exercise_id not in CHECKS:
-        raise ValueError(f"Exercise {exercise_id} is marked in the code but has no checks in grade_checks.py.")
-    exercise = exercises[exercise_id]
-    return [_run_check(exercise, check, candidate, model) for check in CHECKS[exercise_id]]
+        raise ValueError(f"Exercise {exercise_id} is marked in the code but has no checks in chapters/grade_checks/.")
+    for check in CHECKS[exercise_id]:
+        yield _run_check(exercises[exercise_id], check, candidate, model)
 
 
-def _report(exercise_id: str, results: list[CheckResult]) -> bool:
-    passed = all(r.passed for r in results)
-    print(f"Exercise {exercise_id}: {'PASS' if passed else 'FAIL'}")
+def grade(
+    exercise_id: str, candidate: Callable[..., Any], model: str, stop_at_first_failure: bool = False
+) -> list[CheckResult]:
+    """Every check of one exercise, run with ``candidate`` swapped in, in order.
+
+    ``stop_at_first_failure`` ends at the first failed check: unit checks come
+    first, so a wrong answer is named by the behaviour it gets wrong without
+    waiting for the end-to-end runs.
+    """
+    results: list[CheckResult] = []
+    for result in iter_grade(exercise_id, candidate, model):
+        results.append(result)
+        if stop_at_first_failure and not result.passed:
+            break
+    return results
+
+
+def _report(exercise_id: str, results: Iterator[CheckResult], model: str) -> bool:
+    """Print each check's result the moment it is known (an end-to-end check builds an engine)."""
+    print(f"Exercise {exercise_id}: {len(CHECKS[exercise_id])} checks on {model}", flush=True)
+    passed = True
     for result in results:
-        print(f"  [{'ok' if result.passed else 'FAIL'}] {result.name}")
+        passed = passed and result.passed
+        print(f"  [{'ok' if result.passed else 'FAIL'}] {result.name}", flush=True)
         if result.detail:
-            print("        " + result.detail.replace("\n", "\n        "))
+            print("        " + result.detail.replace("\n", "\n        "), flush=True)
+    print(f"Exercise {exercise_id}: {'PASS' if passed else 'FAIL'}")
     return passed
 
 
@@ -132,18 +164,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="grade every exercise")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model for the end-to-end checks")
     parser.add_argument("--reference", action="store_true", help="grade the reference itself (sanity check)")
+    parser.add_argument("--reset", action="store_true",
+                        help="put back the untouched stub of this one exercise (your code in it is lost)")
     args = parser.parse_args(argv)
     exercises = find_exercises()
     if args.all == (args.exercise is not None):
         parser.error(f"give one exercise id or --all; exercises: {', '.join(exercises)}")
     if args.exercise is not None and args.exercise not in exercises:
         parser.error(f"unknown exercise {args.exercise!r}; exercises: {', '.join(exercises)}")
+    if args.reset:
+        if args.all:
+            parser.error("--reset takes one exercise id, so that no other answer is lost")
+        path = reset_stub(exercises[args.exercise])
+        print(f"Exercise {args.exercise}: {path.relative_to(REPO_ROOT)} is the untouched stub again.")
+        return 0
     ids = list(exercises) if args.all else [args.exercise]
     ok = True
     for exercise_id in ids:
         exercise = exercises[exercise_id]
         candidate = reference_function(exercise) if args.reference else student_function(exercise)
-        ok = _report(exercise_id, grade(exercise_id, candidate, args.model)) and ok
+        ok = _report(exercise_id, iter_grade(exercise_id, candidate, args.model), args.model) and ok
     return 0 if ok else 1
 
 

@@ -32,7 +32,6 @@ from nanoengine.model_executor.layers.cpu_linear import (
     pack_weight,
 )
 
-
 _T = TypeVar("_T")
 
 

@@ -1,168 +1,29 @@
 """Write the student stubs of the graded exercises into ``chapters/exercises/``.
 
-Each ``# BEGIN EXERCISE <id>`` ... ``# END EXERCISE <id>`` region of the reference
-code holds one function or method. Its stub keeps the signature and docstring and
-replaces the body with ``raise NotImplementedError("Exercise <id>: see docs/exercises/<id>")``.
-A method becomes a module-level function whose ``self`` is annotated with its
-class, which is how the grader can swap it into the class.
+The stubs are rendered by ``chapters/exercise_stubs.py`` from the exercise
+markers of the reference code. A stub that holds a student's answer is kept
+unless ``--force`` is given; to start one exercise over, use
+``python -m chapters.grade 4.1 --reset`` instead.
 
-    python scripts/make_exercises.py          # (re)write every stub, delete stale ones
+    python scripts/make_exercises.py          # (re)write every untouched stub, delete stale ones
     python scripts/make_exercises.py --check  # CI: exit 1 if any stub is missing or out of date
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import builtins
-import importlib
-import re
 import sys
-import textwrap
-import types
-from pathlib import Path
 
-from chapters.exercises import EXERCISES_DIR, REPO_ROOT, Exercise, find_exercises
-
-# Decorators make no sense on the module-level stub; the grader re-applies
-# staticmethod itself when the reference attribute is one.
-_SELF = re.compile(r"\bself\b(?=\s*[,)])")
-
-
-def _annotation_names(node: ast.FunctionDef) -> set[str]:
-    """Top-level names the signature mentions (``torch`` for ``torch.Tensor``)."""
-    args = node.args
-    parts: list[ast.AST | None] = [node.returns, *args.defaults, *args.kw_defaults]
-    every_arg = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
-    parts += [arg.annotation for arg in every_arg if arg is not None]
-    names: set[str] = set()
-    for part in parts:
-        if part is not None:
-            names |= {n.id for n in ast.walk(part) if isinstance(n, ast.Name)}
-    return names
-
-
-def _import_line(name: str, reference: types.ModuleType) -> str | None:
-    """How the stub imports ``name`` so that it means what it means in the reference."""
-    if name not in vars(reference):
-        if hasattr(builtins, name):
-            return None
-        raise ValueError(f"{reference.__name__} uses {name!r} in a signature but does not define it.")
-    value = vars(reference)[name]
-    if isinstance(value, types.ModuleType):
-        return f"import {value.__name__}" + ("" if value.__name__ == name else f" as {name}")
-    home = getattr(value, "__module__", None)
-    if home and getattr(value, "__qualname__", None) == name:
-        return f"from {home} import {name}"
-    return f"from {reference.__name__} import {name}"  # an alias such as ``BlockHash = bytes``
-
-
-def _imports(exercise: Exercise, reference: types.ModuleType) -> list[str]:
-    names = _annotation_names(exercise.node)
-    if exercise.class_name is not None and not _is_static(exercise):
-        names.add(exercise.class_name.partition(".")[0])
-    lines = {line for name in names if (line := _import_line(name, reference)) is not None}
-    # Group ``from m import a`` and ``from m import b`` into one line.
-    merged: dict[str, set[str]] = {}
-    plain = set()
-    for line in lines:
-        if line.startswith("from "):
-            module, _, name = line[len("from "):].partition(" import ")
-            merged.setdefault(module, set()).add(name)
-        else:
-            plain.add(line)
-    froms = {f"from {module} import {', '.join(sorted(names))}" for module, names in merged.items()}
-    return _isort_layout(plain | froms)
-
-
-def _isort_layout(lines: set[str]) -> list[str]:
-    """Standard library, third party, first party, blank-line separated, as isort (and ruff) want."""
-    def section(line: str) -> int:
-        top = line.split()[1].partition(".")[0]
-        return 0 if top in sys.stdlib_module_names else 2 if top in ("nanoengine", "chapters") else 1
-
-    blocks = []
-    for number in range(3):
-        chosen = [line for line in lines if section(line) == number]
-        # Within a section, ``import x`` lines come before ``from x import y`` lines.
-        ordered = sorted(chosen, key=lambda line: (line.startswith("from "), line.split()[1]))
-        if ordered:
-            blocks.append("\n".join(ordered))
-    return blocks
-
-
-def _is_static(exercise: Exercise) -> bool:
-    return any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in exercise.node.decorator_list)
-
-
-def render_stub(exercise: Exercise) -> str:
-    """The full text of one stub module."""
-    node = exercise.node
-    if ast.get_docstring(node) is None:
-        raise ValueError(f"EXERCISE {exercise.exercise_id}: {exercise.qualname} needs a docstring (the task).")
-    docstring = node.body[0]
-    lines = exercise.path.read_text(encoding="utf-8").splitlines()
-    header = textwrap.dedent("\n".join(lines[node.lineno - 1 : docstring.lineno - 1]))
-    if exercise.class_name is not None and not _is_static(exercise):
-        header = _SELF.sub(f"self: {exercise.class_name}", header, count=1)
-    body = textwrap.dedent("\n".join(lines[docstring.lineno - 1 : docstring.end_lineno]))
-    body = textwrap.indent(body, "    ")
-    relpath = exercise.path.relative_to(REPO_ROOT).as_posix()
-    chapter = exercise.exercise_id.partition(".")[0]
-    imports = "\n\n".join(_imports(exercise, importlib.import_module(exercise.module)))
-    exercise_id = exercise.exercise_id
-    return (
-        f'"""Exercise {exercise_id} (chapter {chapter}): write ``{exercise.qualname}``.\n\n'
-        f"Generated by ``scripts/make_exercises.py`` from the ``BEGIN EXERCISE {exercise_id}``\n"
-        f"region of ``{relpath}``; keep the signature. The task and hints are on\n"
-        f"``{exercise.docs_page}``. Replace the ``raise`` with your code, then grade it:\n"
-        f"``python -m chapters.grade {exercise_id}``.\n"
-        '"""\n\n'
-        "from __future__ import annotations\n\n"
-        f"{imports}\n\n\n"
-        f"{header}\n{body}\n"
-        f'    raise NotImplementedError("Exercise {exercise_id}: see docs/exercises/{exercise_id}")\n'
-    )
-
-
-def expected_stubs() -> dict[Path, str]:
-    return {exercise.stub_path: render_stub(exercise) for exercise in find_exercises().values()}
-
-
-def stale_stubs(expected: dict[Path, str]) -> list[Path]:
-    """Stub files whose exercise no longer exists."""
-    return sorted(path for path in EXERCISES_DIR.glob("ex*.py") if path not in expected)
-
-
-def check() -> list[str]:
-    """What ``--check`` complains about; empty when every stub is current."""
-    expected = expected_stubs()
-    problems = [f"{path.name}: no longer marked in the reference code" for path in stale_stubs(expected)]
-    for path, text in expected.items():
-        if not path.exists():
-            problems.append(f"{path.name}: missing")
-        elif path.read_text(encoding="utf-8") != text:
-            problems.append(f"{path.name}: out of date")
-    return problems
-
-
-def write() -> None:
-    expected = expected_stubs()
-    for path in stale_stubs(expected):
-        path.unlink()
-        print(f"removed {path.relative_to(REPO_ROOT)}")
-    for path, text in expected.items():
-        if not path.exists() or path.read_text(encoding="utf-8") != text:
-            path.write_text(text, encoding="utf-8")
-            print(f"wrote {path.relative_to(REPO_ROOT)}")
+from chapters.exercise_stubs import check, write
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only verify; exit 1 when a stub is stale")
+    parser.add_argument("--force", action="store_true", help="also overwrite stubs that hold a student's answer")
     args = parser.parse_args(argv)
     if not args.check:
-        write()
+        write(force=args.force)
         return 0
     problems = check()
     for problem in problems:

@@ -8,33 +8,28 @@ With ``NANOENGINE_STUDENT=1`` the same tests grade the student's code in
 
 from __future__ import annotations
 
-import importlib.util
+import ast
 import inspect
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import yaml
+from exercise_mutants import Mutant, ch1, ch3, ch4, ch5, ch6, ch7
 
+from chapters.exercise_stubs import check as check_stubs
+from chapters.exercise_stubs import is_untouched, render_stub, reset_stub, write
 from chapters.exercises import REPO_ROOT, find_exercises
-from chapters.grade import grade, reference_function, student_function, swapped_in
+from chapters.grade import _reference_result, grade, reference_function, student_function, swapped_in
 from chapters.grade_checks import CHECKS
 
 STUDENT = os.environ.get("NANOENGINE_STUDENT") == "1"
 EXERCISES = find_exercises()
 # The exercises the course promises; more may be added, none may disappear.
 REQUIRED = {"1.1", "3.1", "3.2", "4.1", "4.2", "4.3", "5.1", "5.2", "6.1", "7.1"}
-
-
-def _load_generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_exercises", REPO_ROOT / "scripts" / "make_exercises.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+MUTANTS: list[Mutant] = [*ch1.MUTANTS, *ch3.MUTANTS, *ch4.MUTANTS, *ch5.MUTANTS, *ch6.MUTANTS, *ch7.MUTANTS]
+# Every exercise gets at least this many planted mistakes for its grader to catch.
+MIN_MUTANTS = 3
 
 
 def _nav_pages() -> set[str]:
@@ -65,8 +60,24 @@ def test_required_exercises_are_marked() -> None:
 
 
 def test_stubs_are_current() -> None:
-    problems = _load_generator().check()
+    problems = check_stubs()
     assert problems == [], "run `python scripts/make_exercises.py`: " + "; ".join(problems)
+
+
+def test_regenerating_keeps_an_answer_and_reset_restores_one_stub(monkeypatch: pytest.MonkeyPatch) -> None:
+    exercise = EXERCISES["6.1"]
+    path = exercise.stub_path
+    untouched = render_stub(exercise)
+    answer = untouched.replace('raise NotImplementedError("Exercise 6.1: see docs/exercises/6.1")',
+                               "return 0")
+    try:
+        path.write_text(answer, encoding="utf-8")
+        assert not is_untouched(path)
+        assert write() == [path] and path.read_text(encoding="utf-8") == answer  # the answer survives
+        reset_stub(exercise)
+        assert path.read_text(encoding="utf-8") == untouched and is_untouched(path)
+    finally:
+        path.write_text(untouched, encoding="utf-8")
 
 
 @pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
@@ -90,6 +101,18 @@ def test_stub_keeps_the_signature(exercise_id: str) -> None:
     if not STUDENT:  # in student mode the stub is the student's work
         with pytest.raises(NotImplementedError, match=f"Exercise {exercise_id}: see docs/exercises/{exercise_id}"):
             stub(*[None] * len(inspect.signature(stub).parameters))
+
+
+def test_checks_explain_themselves() -> None:
+    """Each check says what it feeds in (the docs list it), and no assert is silent."""
+    silent = []
+    for path in sorted((REPO_ROOT / "chapters" / "grade_checks").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        silent += [f"{path.name}:{node.lineno}" for node in ast.walk(tree)
+                   if isinstance(node, ast.Assert) and node.msg is None]
+    assert not silent, f"asserts without a message print nothing when they fail: {silent}"
+    undocumented = [c.name for checks in CHECKS.values() for c in checks if not inspect.getdoc(c.run)]
+    assert not undocumented, f"checks without a docstring (their inputs, shown on the page): {undocumented}"
 
 
 def test_swap_is_undone_afterwards() -> None:
@@ -121,6 +144,11 @@ def test_grader(exercise_id: str, tiny_llama: str) -> None:
         return
     reference = grade(exercise_id, reference_function(exercise), tiny_llama)
     assert all(r.passed for r in reference), [(r.name, r.detail) for r in reference if not r.passed]
+    for check in CHECKS[exercise_id]:  # labeled data, so a failure can name what differs
+        result = _reference_result(exercise_id, check.name, tiny_llama)
+        assert isinstance(result, dict) and all(isinstance(key, str) for key in result), (
+            f"check {check.name!r} must return a dict keyed by labels, got {type(result).__name__}"
+        )
     stub = grade(exercise_id, student_function(exercise), tiny_llama)
     vacuous = [r.name for r in stub if r.passed or "NotImplementedError" not in r.detail]
     assert not vacuous, f"these checks do not catch an unwritten {exercise.qualname}: {vacuous}"
@@ -147,3 +175,24 @@ def test_generator_refuses_two_functions_in_one_region(tmp_path: Path) -> None:
                    "# END EXERCISE 9.9\n")
     with pytest.raises(ValueError, match="exactly one function"):
         _exercises_in(bad)
+
+
+@pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
+def test_every_exercise_has_mutants_named_by_a_check(exercise_id: str) -> None:
+    mutants = [m for m in MUTANTS if m.exercise_id == exercise_id]
+    assert len(mutants) >= MIN_MUTANTS, f"exercise {exercise_id}: {len(mutants)} mutants, want {MIN_MUTANTS}"
+    names = {check.name for check in CHECKS[exercise_id]}
+    assert {m.caught_by for m in mutants} <= names, "a mutant names a check that does not exist"
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise_id}: {m.wrong_answer}")
+def test_grader_rejects_each_mutant_and_names_the_behaviour(mutant: Mutant, tiny_llama: str) -> None:
+    if STUDENT:
+        pytest.skip("student mode grades the student's code, not the planted mistakes")
+    results = grade(mutant.exercise_id, mutant.function, tiny_llama, stop_at_first_failure=True)
+    first_failure = results[-1]
+    assert not first_failure.passed, f"the grader passed a wrong answer: {mutant.wrong_answer}"
+    assert first_failure.name == mutant.caught_by, (
+        f"caught by {first_failure.name!r}, not {mutant.caught_by!r}:\n{first_failure.detail}"
+    )
+    assert first_failure.detail.strip(), "the failure says nothing about what differs"

@@ -12,7 +12,7 @@ An exercise id such as ``4.1`` ties four things together:
 
 Nothing here is typed by hand per exercise: the registry is found by scanning the
 sources for the markers, so adding an exercise means adding markers, a page and
-its checks in ``chapters/grade_checks.py``. No line number is stored anywhere;
+its checks in ``chapters/grade_checks/``. No line number is stored anywhere;
 every location is recomputed from the current source.
 
 vLLM 0.32 counterpart: none (teaching material).

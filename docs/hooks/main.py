@@ -8,7 +8,9 @@
 * Macros in pages, all checked: ``{{ code("NAME") }}`` embeds a code region with
   its current line numbers and a link to those lines; ``{{ code_link("NAME") }}``
   is the link alone; ``{{ source_map() }}`` is the live component-tree table;
-  ``{{ grader_checks("4.1") }}`` lists what the grader runs for an exercise.
+  ``{{ grader_checks("4.1") }}`` lists what the grader runs for an exercise: each
+  check's behaviour, the first paragraph of its docstring (its inputs) and a
+  link to its code.
   An unknown name, macro or exercise fails the build.
 """
 
@@ -105,12 +107,22 @@ def _code_block(page: Page, name: str) -> str:
     return f'{link}\n\n```python linenums="{region.start}"\n{region.text()}\n```\n'
 
 
-def _grader_checks(exercise_id: str) -> str:
+def _grader_checks(page: Page, exercise_id: str) -> str:
+    """One line per check: the behaviour it checks, what it feeds in, and a link to its code."""
+    import inspect
+
     from chapters.grade_checks import CHECKS
 
     if exercise_id not in CHECKS:
-        raise LookupError(f"exercise {exercise_id!r} has no checks in chapters/grade_checks.py")
-    return "\n".join(f"- {check.name}" for check in CHECKS[exercise_id])
+        raise LookupError(f"exercise {exercise_id!r} has no checks in chapters/grade_checks/")
+    lines = []
+    for check in CHECKS[exercise_id]:
+        function = check.run
+        region = code_regions.find_region(f"{function.__module__}.{function.__qualname__}")
+        link = _line_link(page, region.path, region.start, region.end, label=function.__name__)
+        inputs = (inspect.getdoc(function) or "").split("\n\n")[0].replace("\n", " ")
+        lines.append(f"- **{check.name}**" + (f": {inputs}" if inputs else "") + f" ({link})")
+    return "\n".join(lines)
 
 
 def _expand(match: re.Match[str], page: Page) -> str:
@@ -123,7 +135,7 @@ def _expand(match: re.Match[str], page: Page) -> str:
     if macro == "source_map":
         return source_map.render(lambda path, line, label: _line_link(page, path, line, label=label))
     if macro == "grader_checks":
-        return _grader_checks(argument)
+        return _grader_checks(page, argument)
     raise LookupError(f"unknown macro {macro!r}")
 
 

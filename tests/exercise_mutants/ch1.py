@@ -1,0 +1,7 @@
+"""Wrong answers to the chapter-1 exercises (see __init__.py)."""
+
+from __future__ import annotations
+
+from exercise_mutants import Mutant, mutate
+
+MUTANTS: list[Mutant] = []
