@@ -110,7 +110,9 @@ class SamplingParams:
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         self._verify()
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        # A union, not an assignment: a copy decoded from the engine core's
+        # socket (chapter 8) arrives with the EOS ids already filled in.
+        self.all_stop_token_ids = set(self.all_stop_token_ids) | set(self.stop_token_ids)
 
     def _verify(self) -> None:
         """Reject values no sampler could honour; each message names value and limit."""

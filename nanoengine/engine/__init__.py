@@ -8,7 +8,7 @@ possible.
 
 vLLM 0.32 counterpart: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``,
 ``EngineCoreOutput``, ``EngineCoreOutputs``, ``FinishReason``, ``EngineCoreEventType``,
-``EngineCoreEvent``).
+``EngineCoreEvent``, ``UtilityOutput``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from nanoengine.sampling_params import SamplingParams
 
@@ -96,8 +97,23 @@ class EngineCoreOutput:
 
 
 @dataclass
+class UtilityOutput:
+    """The answer to a utility call: a method of the core run by name (chapter 8).
+
+    Only the multi-process clients need it: in one process the client simply
+    calls the method. ``result`` is plain data (it crossed a socket).
+    """
+
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None  # the exception the method raised, in words
+
+
+@dataclass
 class EngineCoreOutputs:
     """Everything one ``EngineCore.step()`` returns to the client."""
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     timestamp: float = field(default_factory=time.monotonic)
+    # Set instead of outputs when this message answers a utility call (chapter 8).
+    utility_output: UtilityOutput | None = None

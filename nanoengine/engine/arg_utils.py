@@ -68,6 +68,14 @@ class EngineArgs:
     tokenizer: str | None = None
     # A KV connector (prefill/decode disaggregation), chapter 5.
     kv_transfer_config: KVTransferConfig | None = None
+    # Chapter 8: run the engine core in a process of its own, behind ZMQ sockets
+    # (NANOENGINE_ENABLE_MULTIPROCESSING=1 too; vLLM's switch is
+    # VLLM_ENABLE_V1_MULTIPROCESSING, on by default there, off here).
+    multiprocess_mode: bool = False
+
+    def use_multiprocessing(self) -> bool:
+        """Whether the engine core gets a process of its own (the argument or the env var)."""
+        return self.multiprocess_mode or _env_flag("NANOENGINE_ENABLE_MULTIPROCESSING")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -171,6 +179,10 @@ class EngineArgs:
             # The connector names stored blocks by their prefix hashes, which
             # only exist when prefix caching computes them.
             raise ValueError("kv_transfer_config needs enable_prefix_caching=True (blocks are keyed by hash).")
+        if self.use_multiprocessing() and (self.trace or _env_flag("NANOENGINE_TRACE")):
+            # The trace is a live object in the core's process (chapters 3-4 read it in place).
+            raise ValueError("trace=True (or NANOENGINE_TRACE=1) needs the in-process engine: "
+                             "drop multiprocess_mode (and NANOENGINE_ENABLE_MULTIPROCESSING).")
         if self.async_scheduling and (self.trace or _env_flag("NANOENGINE_TRACE")):
             # A StepTrace records one step from schedule to update; with async
             # scheduling the next step is scheduled before this one's update.

@@ -13,11 +13,13 @@ vLLM 0.32 counterpart: ``vllm/v1/engine/core.py`` (``EngineCore``, ``step``,
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from nanoengine.config import EngineConfig
 from nanoengine.core.invariants import check_invariants_after_each_update
@@ -32,7 +34,7 @@ from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import Request, RequestStatus
 from nanoengine.structured_output import StructuredOutputManager
 from nanoengine.trace import EngineTrace, TraceRecorder
-from nanoengine.utils.component_tree import TreeNode
+from nanoengine.utils.component_tree import TreeNode, build_component_tree
 from nanoengine.utils.method_taps import time_calls
 from nanoengine.worker.memory_report import MemoryReport, render_memory_table
 
@@ -134,6 +136,19 @@ class EngineCore(TreeNode):
     def tree_label_extra(self) -> str | None:
         running, waiting = self.scheduler.get_request_counts()
         return f"running={running} waiting={waiting}"
+
+    def describe(self) -> dict[str, Any]:
+        """Plain facts about this core: its process, its KV cache, its component tree.
+
+        A client in another process (chapter 8) asks for them over the socket
+        to print the tree across the process boundary.
+        """
+        return {
+            "pid": os.getpid(),
+            "num_blocks": self.kv_cache_config.num_blocks,
+            "block_size": self.kv_cache_config.block_size,
+            "tree": build_component_tree(self).to_dict(),
+        }
 
     # ---- requests in and out -----------------------------------------------
 

@@ -5,31 +5,54 @@ process the client calls the core directly; in a server (chapter 8) the core run
 in its own process and the client ships the same messages over a socket -- and
 ``LLMEngine`` does not change. vLLM 0.32 counterpart:
 ``vllm/v1/engine/core_client.py`` (``EngineCoreClient``, ``InprocClient``,
-``SyncMPClient``).
+``MPClient``, ``SyncMPClient``, ``AsyncMPClient``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any
+
+import msgspec
+import zmq
 
 from nanoengine.config import EngineConfig
-from nanoengine.engine import EngineCoreOutputs, EngineCoreRequest
+from nanoengine.engine import EngineCoreOutputs, EngineCoreRequest, UtilityOutput
 from nanoengine.engine.core import EngineCore
+from nanoengine.engine.core_proc import ENGINE_CORE_DEAD, EngineCoreProc, EngineCoreRequestType
+from nanoengine.engine.exceptions import EngineDeadError
+from nanoengine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from nanoengine.trace import EngineTrace
-from nanoengine.utils.component_tree import TreeNode
+from nanoengine.utils.component_tree import ComponentNode, TreeNode
 
 
 class EngineCoreClient(ABC):
     """The interface every transport implements; LLMEngine sees only this."""
 
     @staticmethod
-    def make_client(engine_config: EngineConfig, multiprocess_mode: bool = False) -> EngineCoreClient:
-        """Pick a transport. Only the in-process one exists so far (chapter 8 adds
-        the multi-process client behind this same interface).
+    def make_client(
+        engine_config: EngineConfig, multiprocess_mode: bool = False, asyncio_mode: bool = False
+    ) -> EngineCoreClient:
+        """Pick a transport, as vLLM does: asyncio (a server's ``AsyncLLM``) always
+        talks to a core process; ``LLM`` does too with ``multiprocess_mode``, and
+        otherwise calls the core in its own process.
         """
+        if asyncio_mode:
+            return AsyncMPClient(engine_config)
         if multiprocess_mode:
-            raise ValueError("multiprocess_mode=True is not available yet; use the in-process client.")
+            return SyncMPClient(engine_config)
         return InprocClient(engine_config)
 
     @abstractmethod
@@ -56,25 +79,11 @@ class EngineCoreClient(ABC):
     def get_engine_core(self) -> EngineCore:
         """The live ``EngineCore`` behind this client, for code that inspects it.
 
-        Chapter 5 puts this client between ``LLMEngine`` and ``EngineCore`` so the
-        engine never learns where the core runs. Driving the engine needs only the
-        messages above (``add_request``, ``get_output``, ...), which any transport
-        can carry. Reading the core's state -- its scheduler, its KV cache manager,
-        the memory report of chapter 6 -- needs the object itself, and only a
-        client in the same process has one to give: ``InprocClient``, the client
-        ``LLM(...)`` builds by default, holds it as ``self.engine_core``, just as
-        vLLM 0.32's ``InprocClient`` does (``vllm/v1/engine/core_client.py``).
-
-        The base class therefore raises ``RuntimeError``. Asking is not a wrong
-        argument type (``TypeError``) nor an unfinished method
-        (``NotImplementedError``): every client is a valid ``EngineCoreClient``,
-        and a client whose core runs in another process -- the multi-process
-        client chapter 8 adds -- can never hand out that object; whether one
-        exists depends on how the engine was started, which is known only at run
-        time. Chapters and tests that inspect the core call this instead of
-        reaching through ``.engine_core``, so the type checker knows what they get
-        and they fail with this message, not an ``AttributeError``, on such a
-        client.
+        Driving the engine needs only the messages above, which any transport
+        can carry; reading the core's state (its scheduler, its KV cache, the
+        memory report of chapter 6) needs the object itself, and only a client
+        in the same process has it: ``InprocClient``, as in vLLM 0.32. The
+        multi-process clients of chapter 8 raise ``RuntimeError`` instead.
         """
         raise RuntimeError(
             f"{type(self).__name__} does not hold the EngineCore: with this client it "
@@ -120,3 +129,238 @@ class InprocClient(EngineCoreClient, TreeNode):
     def get_engine_core(self) -> EngineCore:
         """The ``EngineCore`` this client drives: same process, the object itself."""
         return self.engine_core
+
+
+# ---- chapter 8: the engine core in another process ---------------------------------
+
+# get_output() waits at most this long for the core, then returns an empty batch,
+# so a caller's loop can look at its own state (a streamed prompt, a deadline).
+_OUTPUT_WAIT_S = 0.5
+# Building the core (weights, profiling, KV cache) happens before it is ready.
+_READY_TIMEOUT_S = 900.0
+# A core that ignores SIGTERM this long is killed.
+_SHUTDOWN_GRACE_S = 5.0
+
+
+class MPClient(EngineCoreClient, TreeNode):
+    """Starts an ``EngineCoreProc`` and talks to it over two ZMQ sockets.
+
+    The client binds both sockets (unix-domain ``ipc://`` paths in a private
+    temporary directory) and starts the core process, which connects to them:
+
+    * requests go out on a ROUTER socket as ``[core identity, type, msgpack]``;
+      the core's first message on it (``READY``, with its pid) is what tells the
+      ROUTER where to send;
+    * outputs come back on a PULL socket, read by one background thread that
+      hands ``EngineCoreOutputs`` to ``outputs_queue`` and the answers of utility
+      calls to the futures waiting for them.
+
+    A second thread waits on the process itself: if the core exits while the
+    client still wants it (killed, crashed), every waiting call fails with
+    ``EngineDeadError`` instead of waiting forever. The core, for its part,
+    watches a pipe only this process holds and exits when this process dies.
+    """
+
+    tree_children = ("engine_core",)
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self._ipc_dir = tempfile.mkdtemp(prefix="nanoengine-ipc-")
+        input_address, output_address = f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output"
+        self._context = zmq.Context()
+        self.input_socket = self._context.socket(zmq.ROUTER)
+        self.input_socket.bind(input_address)
+        self.output_socket = self._context.socket(zmq.PULL)
+        self.output_socket.bind(output_address)
+        # spawn, not fork: a forked child would inherit this process's threads' locks.
+        context = multiprocessing.get_context("spawn")
+        parent_alive_reader, self._parent_alive = context.Pipe(duplex=False)
+        self.core_process = context.Process(
+            target=EngineCoreProc.run_engine_core,
+            args=(engine_config, input_address, output_address, parent_alive_reader),
+            name="EngineCore",
+            daemon=True,
+        )
+        self.core_process.start()
+        parent_alive_reader.close()  # only the child may hold the reading end
+        self._closing = False
+        self._dead: EngineDeadError | None = None
+        self._send_lock = threading.Lock()
+        self._encoder = MsgpackEncoder()
+        self.outputs_queue: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        self._utility_calls: dict[int, Future[Any]] = {}
+        self._call_ids = itertools.count()
+        try:
+            self._core_identity, ready = self._wait_for_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.engine_core = RemoteEngineCore(self, ready["pid"])
+        self._output_thread = threading.Thread(target=self._process_outputs_socket, name="CoreClientOutput",
+                                               daemon=True)
+        self._output_thread.start()
+        threading.Thread(target=self._monitor_core_process, name="CoreClientMonitor", daemon=True).start()
+
+    def _wait_for_ready(self) -> tuple[bytes, dict[str, Any]]:
+        """The core's READY message: (its socket identity, what it told us)."""
+        poller = zmq.Poller()
+        poller.register(self.input_socket, zmq.POLLIN)
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if poller.poll(100):
+                identity, payload = self.input_socket.recv_multipart()
+                ready: dict[str, Any] = MsgpackDecoder().decode(payload)
+                return identity, ready
+            if not self.core_process.is_alive():
+                raise RuntimeError(
+                    f"The engine core process exited while starting (exit code {self.core_process.exitcode}); "
+                    "its error is printed above."
+                )
+        raise TimeoutError(f"The engine core process was not ready after {_READY_TIMEOUT_S:.0f} s.")
+
+    # ---- the two background threads ------------------------------------------------
+
+    def _process_outputs_socket(self) -> None:
+        decoder: MsgpackDecoder[EngineCoreOutputs] = MsgpackDecoder(EngineCoreOutputs)
+        poller = zmq.Poller()
+        poller.register(self.output_socket, zmq.POLLIN)
+        while not self._closing:
+            if not poller.poll(100):
+                continue
+            frame = self.output_socket.recv()
+            if frame == ENGINE_CORE_DEAD:
+                self._engine_died("it reported a fatal error (its log is above)")
+                return
+            outputs = decoder.decode(frame)
+            if outputs.utility_output is not None:
+                self._resolve_utility(outputs.utility_output)
+            else:
+                self.outputs_queue.put_nowait(outputs)
+
+    def _monitor_core_process(self) -> None:
+        multiprocessing.connection.wait([self.core_process.sentinel])
+        if not self._closing:
+            self._engine_died(f"the process exited with code {self.core_process.exitcode}")
+
+    def _engine_died(self, detail: str) -> None:
+        if self._dead is not None:
+            return
+        self._dead = EngineDeadError(detail)
+        self.outputs_queue.put_nowait(self._dead)  # wakes a get_output() that is waiting
+        for future in list(self._utility_calls.values()):
+            future.set_exception(self._dead)
+        self._utility_calls.clear()
+
+    def _resolve_utility(self, answer: UtilityOutput) -> None:
+        future = self._utility_calls.pop(answer.call_id, None)
+        if future is None:
+            return
+        if answer.failure_message is not None:
+            future.set_exception(RuntimeError(answer.failure_message))
+        else:
+            future.set_result(answer.result)
+
+    # ---- requests out --------------------------------------------------------------------
+
+    def _send(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+        if self._dead is not None:
+            raise self._dead
+        with self._send_lock:  # a ZMQ socket is used by one thread at a time
+            self.input_socket.send_multipart([self._core_identity, request_type.value, self._encoder.encode(payload)])
+
+    def _start_utility(self, method: str, *args: Any) -> Future[Any]:
+        """Ask the core to run ``method(*args)``; the future holds its result."""
+        call_id = next(self._call_ids)
+        future: Future[Any] = Future()
+        self._utility_calls[call_id] = future
+        self._send(EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
+        return future
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Run an ``EngineCore`` method in the core process and return its result."""
+        return self._start_utility(method, *args).result()
+
+    def get_trace(self) -> EngineTrace | None:
+        # The trace is a live object in the other process; arg_utils refuses
+        # trace=True with multiprocess_mode, so there is never one to fetch.
+        return None
+
+    def shutdown(self) -> None:
+        """Stop the core process (SIGTERM, then SIGKILL after a grace period) and free the sockets."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.core_process.is_alive():
+            self.core_process.terminate()
+            self.core_process.join(_SHUTDOWN_GRACE_S)
+            if self.core_process.is_alive():
+                self.core_process.kill()
+                self.core_process.join()
+        output_thread = getattr(self, "_output_thread", None)
+        if output_thread is not None:
+            output_thread.join()
+        self._parent_alive.close()
+        self._context.destroy(linger=0)
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+class SyncMPClient(MPClient):
+    """The multi-process client for ``LLM(..., multiprocess_mode=True)``: blocking calls."""
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def get_output(self) -> EngineCoreOutputs:
+        """The core's next batch of outputs (an empty one after a short wait with none)."""
+        try:
+            outputs = self.outputs_queue.get(timeout=_OUTPUT_WAIT_S)
+        except queue.Empty:
+            if self._dead is not None:
+                raise self._dead from None
+            return EngineCoreOutputs()
+        if isinstance(outputs, EngineDeadError):
+            raise outputs
+        return outputs
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
+    def append_prompt(self, request_id: str, token_ids: list[int], final: bool) -> None:
+        self.call_utility("append_prompt", request_id, token_ids, final)
+
+
+class AsyncMPClient(SyncMPClient):
+    """The multi-process client of ``AsyncLLM`` (chapter 8): the same calls, awaitable.
+
+    Sending never blocks (ZMQ queues the message), so the async versions of
+    ``add_request`` and ``abort_requests`` just send. Waiting for outputs runs
+    the blocking wait in the event loop's default thread pool, so the loop
+    keeps serving other requests meanwhile. (vLLM reads the socket with
+    ``zmq.asyncio`` in a task instead; the effect is the same.)
+    """
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self.add_request(request)
+
+    async def abort_requests_async(self, request_ids: Iterable[str]) -> None:
+        self.abort_requests(request_ids)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        return await asyncio.get_running_loop().run_in_executor(None, self.get_output)
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return await asyncio.wrap_future(self._start_utility(method, *args))
+
+
+class RemoteEngineCore:
+    """What the component tree shows for a core in another process: its tree, fetched."""
+
+    def __init__(self, client: MPClient, pid: int) -> None:
+        self.client = client
+        self.pid = pid
+
+    def remote_component_node(self) -> ComponentNode:
+        """The core's own component tree, built in its process and sent over the socket."""
+        info = self.client.call_utility("describe")
+        node = msgspec.convert(info["tree"], ComponentNode)
+        node.note = f"in process {self.pid}, reached over ZMQ; this side is process {os.getpid()}"
+        return node

@@ -140,6 +140,12 @@ class _Builder:
              path: str, depth: int) -> ComponentNode:
         if obj is None:
             return ComponentNode(attr, UNSET, None, created_at)
+        remote = getattr(obj, "remote_component_node", None)
+        if callable(remote):
+            # A component in another process (chapter 8): it builds its own tree there.
+            fetched: ComponentNode = remote()
+            fetched.attr, fetched.created_at = attr, created_at
+            return fetched
         cls = _shown_class(obj)
         names = _tree_children_of(obj)
         # Leaves from torch or the stdlib need no address: their type name says enough.

@@ -1,0 +1,244 @@
+"""EngineCoreProc: the engine core in a process of its own, behind two ZMQ sockets.
+
+Chapter 8 (online serving). A server must keep accepting HTTP requests, turning
+text into tokens and tokens into text while the model runs; in one Python process
+that work and ``EngineCore.step()`` would take turns on the same interpreter.
+vLLM therefore runs the core in its own process, and so does nanoengine with
+``LLM(..., multiprocess_mode=True)`` and ``nanoengine serve``. Three threads:
+
+* the **input thread** (``process_input_sockets``) receives ``(request type,
+  msgpack bytes)`` frames from the front end, decodes them and puts them on
+  ``input_queue``;
+* the **main thread** runs ``run_busy_loop``: take what is on ``input_queue``
+  (and block on it while there is nothing to do, so an idle core uses no CPU),
+  then ``step()``, then put the outputs on ``output_queue``;
+* the **output thread** (``process_output_sockets``) encodes each
+  ``EngineCoreOutputs`` and pushes it to the front end.
+
+The socket threads spend their time in ZMQ calls, which release the GIL, so
+decoding the next request overlaps the forward pass. The front end starts the
+process (``MPClient`` in core_client.py) and waits for a ready message on the
+input socket. The core exits when its parent dies (a pipe it watches reaches
+end-of-file) and, if the busy loop fails, tells the front end so with
+``ENGINE_CORE_DEAD`` before it goes.
+
+vLLM 0.32 counterpart: ``EngineCoreProc`` in ``vllm/v1/engine/core.py``
+(``run_engine_core``, ``run_busy_loop``, ``_process_input_queue``,
+``_process_engine_step``, ``_handle_client_request``, ``process_input_sockets``,
+``process_output_sockets``) and ``EngineCoreRequestType`` in
+``vllm/v1/engine/__init__.py``. vLLM keeps the class in core.py; it is beside
+it here so that core.py stays the one-process engine of chapters 5-7.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection
+from types import FrameType
+from typing import Any
+
+import zmq
+
+from nanoengine.config import EngineConfig
+from nanoengine.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    UtilityOutput,
+)
+from nanoengine.engine.core import EngineCore
+from nanoengine.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+# How long an idle busy loop sleeps in one wait on the input queue before it
+# looks again; a request wakes it at once, this only bounds a shutdown's delay.
+_IDLE_WAIT_S = 1.0
+
+
+class EngineCoreRequestType(enum.Enum):
+    """The first frame of every message the front end sends: what the rest is."""
+
+    ADD = b"\x00"  # an EngineCoreRequest
+    ABORT = b"\x01"  # a list of request ids
+    UTILITY = b"\x03"  # (call_id, method name, args): run an EngineCore method by name
+
+
+# The last message a failing core sends, so the front end need not wait for
+# the process exit to learn of it.
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+# The methods a utility call may run (a socket is no reason to expose every method).
+UTILITY_METHODS = frozenset({"append_prompt", "reset_prefix_cache", "get_stats", "describe"})
+
+
+class EngineCoreProc(EngineCore):
+    """An ``EngineCore`` fed by an input thread and drained by an output thread."""
+
+    def __init__(self, engine_config: EngineConfig, input_address: str, output_address: str) -> None:
+        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[EngineCoreOutputs | bytes] = queue.Queue()
+        # Builds the model, sizes the KV cache, makes the scheduler (chapter 6).
+        super().__init__(engine_config)
+        ready = threading.Event()
+        threading.Thread(
+            target=self.process_input_sockets, args=(input_address, ready), name="EngineCoreInput", daemon=True
+        ).start()
+        threading.Thread(
+            target=self.process_output_sockets, args=(output_address,), name="EngineCoreOutput", daemon=True
+        ).start()
+        ready.wait()  # the front end has our ready message: requests may come
+
+    @staticmethod
+    def run_engine_core(
+        engine_config: EngineConfig, input_address: str, output_address: str, parent_alive: Connection
+    ) -> None:
+        """The core process's entry point: build the core, then loop until told to stop.
+
+        SIGTERM (the front end's shutdown) and the parent's death both end the
+        busy loop through ``SystemExit``; any other exception is reported to
+        the front end as ``ENGINE_CORE_DEAD`` before the process exits.
+        """
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the front end
+        _exit_when_parent_dies(parent_alive)
+        engine_core: EngineCoreProc | None = None
+        try:
+            engine_core = EngineCoreProc(engine_config, input_address, output_address)
+            engine_core.run_busy_loop()
+        except SystemExit:
+            logger.debug("EngineCore process %d exiting.", os.getpid())
+        except Exception:
+            logger.exception("EngineCore failed; telling the front end.")
+            if engine_core is not None:
+                engine_core.output_queue.put_nowait(ENGINE_CORE_DEAD)
+                time.sleep(0.5)  # let the output thread send it
+            raise
+        finally:
+            if engine_core is not None:
+                engine_core.shutdown()
+
+    # ---- the main thread -------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        """Take requests in, step, send outputs out; forever (until SystemExit)."""
+        while True:
+            self._process_input_queue()
+            self._process_engine_step()
+
+    def _has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
+    def _process_input_queue(self) -> None:
+        """Block while idle; then take everything that has arrived, in order."""
+        while not self._has_work():
+            try:
+                self._handle_client_request(*self.input_queue.get(timeout=_IDLE_WAIT_S))
+            except queue.Empty:
+                continue
+        while not self.input_queue.empty():
+            self._handle_client_request(*self.input_queue.get_nowait())
+
+    def _process_engine_step(self) -> None:
+        outputs, model_executed = self.step_fn()
+        if outputs.outputs:
+            self.output_queue.put_nowait(outputs)
+        if not model_executed and self.scheduler.has_requests():
+            # Only blocked requests (a grammar compiling, KV loading): let
+            # those threads run instead of spinning on the GIL.
+            time.sleep(0.001)
+
+    def _handle_client_request(self, request_type: EngineCoreRequestType, request: Any) -> None:
+        if request_type is EngineCoreRequestType.ADD:
+            self._add_or_reject(request)
+        elif request_type is EngineCoreRequestType.ABORT:
+            self.abort_requests(request)
+        else:
+            call_id, method, args = request
+            self.output_queue.put_nowait(EngineCoreOutputs(utility_output=self._run_utility(call_id, method, args)))
+
+    def _add_or_reject(self, request: EngineCoreRequest) -> None:
+        """Add a request; one the core refuses ends at once with an error, and the rest go on."""
+        try:
+            self.add_request(request)
+        except (ValueError, TypeError) as error:
+            rejected = EngineCoreOutput(request.request_id, [], FinishReason.ERROR, finish_message=str(error))
+            self.output_queue.put_nowait(EngineCoreOutputs(outputs=[rejected]))
+
+    def _run_utility(self, call_id: int, method: str, args: list[Any]) -> UtilityOutput:
+        if method not in UTILITY_METHODS:
+            return UtilityOutput(call_id, failure_message=f"{method!r} is not a utility method of the engine core.")
+        try:
+            return UtilityOutput(call_id, result=getattr(self, method)(*args))
+        except Exception as error:  # noqa: BLE001 -- the caller gets it; the core keeps serving
+            return UtilityOutput(call_id, failure_message=f"{type(error).__name__}: {error}")
+
+    # ---- the socket threads ----------------------------------------------------------
+
+    def process_input_sockets(self, input_address: str, ready: threading.Event) -> None:
+        """Input thread: socket frames -> decoded requests on ``input_queue``."""
+        add_decoder: MsgpackDecoder[EngineCoreRequest] = MsgpackDecoder(EngineCoreRequest)
+        generic_decoder: MsgpackDecoder[Any] = MsgpackDecoder()
+        with zmq.Context() as context, context.socket(zmq.DEALER) as socket:
+            socket.connect(input_address)
+            # The first message tells the front end's ROUTER socket who we are.
+            socket.send(MsgpackEncoder().encode({"status": "READY", "pid": os.getpid(), **self.describe()}))
+            ready.set()
+            while True:
+                type_frame, data = socket.recv_multipart()
+                request_type = EngineCoreRequestType(type_frame)
+                decoder = add_decoder if request_type is EngineCoreRequestType.ADD else generic_decoder
+                self.input_queue.put_nowait((request_type, decoder.decode(data)))
+
+    def process_output_sockets(self, output_address: str) -> None:
+        """Output thread: ``output_queue`` -> msgpack bytes on the socket."""
+        encoder = MsgpackEncoder()
+        # linger: a last ENGINE_CORE_DEAD still leaves before the socket closes.
+        with zmq.Context() as context, context.socket(zmq.PUSH) as socket:
+            socket.setsockopt(zmq.LINGER, 4000)
+            socket.connect(output_address)
+            while True:
+                outputs = self.output_queue.get()
+                if isinstance(outputs, bytes):
+                    socket.send(outputs)
+                    break
+                socket.send(encoder.encode(outputs))
+
+    # ---- what utility calls may ask ----------------------------------------------------
+
+    def get_stats(self) -> dict[str, Any]:
+        """The scheduler's counters (for ``/metrics``): queues, KV usage, prefix cache."""
+        stats = self.scheduler.make_stats()
+        return {
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "num_free_blocks": self.scheduler.kv_cache_manager.num_free_blocks,
+            "num_usable_blocks": self.scheduler.kv_cache_manager.num_usable_blocks,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+            "num_preemptions": stats.num_preemptions,
+        }
+
+
+def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def _exit_when_parent_dies(parent_alive: Connection) -> None:
+    """Watch the pipe whose other end only the parent holds: end-of-file means it died."""
+
+    def watch() -> None:
+        try:
+            parent_alive.recv()
+        except (EOFError, OSError):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)  # the main thread's handler raises SystemExit
+
+    threading.Thread(target=watch, name="EngineCoreParentWatch", daemon=True).start()
