@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing
-import multiprocessing.connection
 import os
 import queue
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -31,7 +31,7 @@ import zmq
 from nanoengine.config import EngineConfig
 from nanoengine.engine import EngineCoreOutputs, EngineCoreRequest, UtilityOutput
 from nanoengine.engine.core import EngineCore
-from nanoengine.engine.core_proc import ENGINE_CORE_DEAD, EngineCoreProc, EngineCoreRequestType
+from nanoengine.engine.core_proc import ENGINE_CORE_DEAD, EngineCoreRequestType, encode_startup
 from nanoengine.engine.exceptions import EngineDeadError
 from nanoengine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from nanoengine.trace import EngineTrace
@@ -140,6 +140,8 @@ _OUTPUT_WAIT_S = 0.5
 _READY_TIMEOUT_S = 900.0
 # A core that ignores SIGTERM this long is killed.
 _SHUTDOWN_GRACE_S = 5.0
+# What the core process runs (see nanoengine/engine/core_proc.py ``main``).
+_CORE_MAIN = "from nanoengine.engine.core_proc import main; main()"
 
 
 class MPClient(EngineCoreClient, TreeNode):
@@ -158,7 +160,8 @@ class MPClient(EngineCoreClient, TreeNode):
     A second thread waits on the process itself: if the core exits while the
     client still wants it (killed, crashed), every waiting call fails with
     ``EngineDeadError`` instead of waiting forever. The core, for its part,
-    watches a pipe only this process holds and exits when this process dies.
+    watches its stdin, a pipe only this process writes to, and exits when this
+    process dies.
     """
 
     tree_children = ("engine_core",)
@@ -171,17 +174,14 @@ class MPClient(EngineCoreClient, TreeNode):
         self.input_socket.bind(input_address)
         self.output_socket = self._context.socket(zmq.PULL)
         self.output_socket.bind(output_address)
-        # spawn, not fork: a forked child would inherit this process's threads' locks.
-        context = multiprocessing.get_context("spawn")
-        parent_alive_reader, self._parent_alive = context.Pipe(duplex=False)
-        self.core_process = context.Process(
-            target=EngineCoreProc.run_engine_core,
-            args=(engine_config, input_address, output_address, parent_alive_reader),
-            name="EngineCore",
-            daemon=True,
-        )
-        self.core_process.start()
-        parent_alive_reader.close()  # only the child may hold the reading end
+        # A fresh interpreter, not a fork (a forked child inherits this process's
+        # threads' locks) and not multiprocessing's spawn (it re-imports the
+        # user's script). Its stdin brings the configuration, then stays open:
+        # end-of-file there is how the core learns that this process is gone.
+        self.core_process = subprocess.Popen([sys.executable, "-c", _CORE_MAIN], stdin=subprocess.PIPE)
+        assert self.core_process.stdin is not None
+        self.core_process.stdin.write(encode_startup(engine_config, input_address, output_address))
+        self.core_process.stdin.flush()
         self._closing = False
         self._dead: EngineDeadError | None = None
         self._send_lock = threading.Lock()
@@ -210,9 +210,9 @@ class MPClient(EngineCoreClient, TreeNode):
                 identity, payload = self.input_socket.recv_multipart()
                 ready: dict[str, Any] = MsgpackDecoder().decode(payload)
                 return identity, ready
-            if not self.core_process.is_alive():
+            if self.core_process.poll() is not None:
                 raise RuntimeError(
-                    f"The engine core process exited while starting (exit code {self.core_process.exitcode}); "
+                    f"The engine core process exited while starting (exit code {self.core_process.returncode}); "
                     "its error is printed above."
                 )
         raise TimeoutError(f"The engine core process was not ready after {_READY_TIMEOUT_S:.0f} s.")
@@ -237,9 +237,9 @@ class MPClient(EngineCoreClient, TreeNode):
                 self.outputs_queue.put_nowait(outputs)
 
     def _monitor_core_process(self) -> None:
-        multiprocessing.connection.wait([self.core_process.sentinel])
+        exit_code = self.core_process.wait()
         if not self._closing:
-            self._engine_died(f"the process exited with code {self.core_process.exitcode}")
+            self._engine_died(f"the process exited with code {exit_code}")
 
     def _engine_died(self, detail: str) -> None:
         if self._dead is not None:
@@ -289,16 +289,18 @@ class MPClient(EngineCoreClient, TreeNode):
         if self._closing:
             return
         self._closing = True
-        if self.core_process.is_alive():
+        if self.core_process.poll() is None:
             self.core_process.terminate()
-            self.core_process.join(_SHUTDOWN_GRACE_S)
-            if self.core_process.is_alive():
+            try:
+                self.core_process.wait(_SHUTDOWN_GRACE_S)
+            except subprocess.TimeoutExpired:
                 self.core_process.kill()
-                self.core_process.join()
+                self.core_process.wait()
         output_thread = getattr(self, "_output_thread", None)
         if output_thread is not None:
             output_thread.join()
-        self._parent_alive.close()
+        if self.core_process.stdin is not None:
+            self.core_process.stdin.close()
         self._context.destroy(linger=0)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 

@@ -17,8 +17,9 @@ vLLM therefore runs the core in its own process, and so does nanoengine with
 
 The socket threads spend their time in ZMQ calls, which release the GIL, so
 decoding the next request overlaps the forward pass. The front end starts the
-process (``MPClient`` in core_client.py) and waits for a ready message on the
-input socket. The core exits when its parent dies (a pipe it watches reaches
+process (``MPClient`` in core_client.py: a fresh interpreter running ``main``
+below, its configuration pickled into our stdin) and waits for a ready message
+on the input socket. The core exits when its parent dies (its stdin reaches
 end-of-file) and, if the busy loop fails, tells the front end so with
 ``ENGINE_CORE_DEAD`` before it goes.
 
@@ -35,11 +36,13 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import pickle
 import queue
 import signal
+import struct
+import sys
 import threading
 import time
-from multiprocessing.connection import Connection
 from types import FrameType
 from typing import Any
 
@@ -97,9 +100,9 @@ class EngineCoreProc(EngineCore):
 
     @staticmethod
     def run_engine_core(
-        engine_config: EngineConfig, input_address: str, output_address: str, parent_alive: Connection
+        engine_config: EngineConfig, input_address: str, output_address: str, parent_alive_fd: int
     ) -> None:
-        """The core process's entry point: build the core, then loop until told to stop.
+        """Build the core, then loop until told to stop.
 
         SIGTERM (the front end's shutdown) and the parent's death both end the
         busy loop through ``SystemExit``; any other exception is reported to
@@ -107,7 +110,7 @@ class EngineCoreProc(EngineCore):
         """
         signal.signal(signal.SIGTERM, _raise_system_exit)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the front end
-        _exit_when_parent_dies(parent_alive)
+        _exit_when_parent_dies(parent_alive_fd)
         engine_core: EngineCoreProc | None = None
         try:
             engine_core = EngineCoreProc(engine_config, input_address, output_address)
@@ -231,14 +234,47 @@ def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def _exit_when_parent_dies(parent_alive: Connection) -> None:
-    """Watch the pipe whose other end only the parent holds: end-of-file means it died."""
+def _exit_when_parent_dies(parent_alive_fd: int) -> None:
+    """Watch our stdin, whose writing end only the parent holds: end-of-file means it is gone.
+
+    Raw ``os.read`` on the descriptor, not ``sys.stdin``: a thread blocked inside
+    Python's buffered reader would hold its lock while the interpreter shuts down.
+    """
 
     def watch() -> None:
-        try:
-            parent_alive.recv()
-        except (EOFError, OSError):
+        while os.read(parent_alive_fd, 4096):
             pass
         os.kill(os.getpid(), signal.SIGTERM)  # the main thread's handler raises SystemExit
 
     threading.Thread(target=watch, name="EngineCoreParentWatch", daemon=True).start()
+
+
+def main() -> None:
+    """The core process: ``python -c "from nanoengine.engine.core_proc import main; main()"``.
+
+    The front end writes ``encode_startup(engine_config, input_address,
+    output_address)`` to our stdin and keeps the pipe open for as long as it
+    lives. A fresh interpreter started this way (rather than with
+    ``multiprocessing``) never re-imports the user's own script.
+    """
+    stdin = sys.stdin.fileno()
+    (size,) = struct.unpack("<Q", _read_exactly(stdin, 8))
+    engine_config, input_address, output_address = pickle.loads(_read_exactly(stdin, size))
+    EngineCoreProc.run_engine_core(engine_config, input_address, output_address, stdin)
+
+
+def encode_startup(engine_config: EngineConfig, input_address: str, output_address: str) -> bytes:
+    """What the front end writes to the core's stdin: a length, then the pickled arguments."""
+    payload = pickle.dumps((engine_config, input_address, output_address))
+    return struct.pack("<Q", len(payload)) + payload
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    """A pipe may deliver a message in pieces: read until ``size`` bytes are in."""
+    data = bytearray()
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            raise EOFError(f"stdin closed after {len(data)} of {size} start-up bytes")
+        data += chunk
+    return bytes(data)

@@ -33,7 +33,7 @@ class LLMEngine(TreeNode):
 
     tree_children = ("renderer", "input_processor", "output_processor", "engine_core")
 
-    def __init__(self, engine_config: EngineConfig, multiprocess_mode: bool = False) -> None:
+    def __init__(self, engine_config: EngineConfig, multiprocess_mode: bool = False, asyncio_mode: bool = False) -> None:
         self.engine_config = engine_config
         model_config = engine_config.model_config
         self.tokenizer = get_tokenizer(model_config.model_path)
@@ -45,7 +45,7 @@ class LLMEngine(TreeNode):
         self.output_processor = OutputProcessor(self.tokenizer)
         # Building the client builds the EngineCore: weights, profiling, KV cache;
         # with multiprocess_mode, in a process of its own (chapter 8).
-        self.engine_core = EngineCoreClient.make_client(engine_config, multiprocess_mode=multiprocess_mode)
+        self.engine_core = EngineCoreClient.make_client(engine_config, multiprocess_mode, asyncio_mode)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
