@@ -1,0 +1,227 @@
+"""``nanoengine serve``: an OpenAI-compatible HTTP server over ``AsyncLLM``.
+
+Chapter 8 (online serving). Three processes' worth of work in two processes:
+this one runs uvicorn's event loop (HTTP, JSON, tokenizing, detokenizing, the
+output handler of ``AsyncLLM``); the engine core runs in its own process
+(``EngineCoreProc``) and only ever sees token ids. The routes:
+
+* ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (JSON, or
+  server-sent events with ``"stream": true``);
+* ``/tokenize``, ``/detokenize``, ``/health`` (503 once the core is gone),
+  ``/metrics`` (Prometheus text, vLLM's metric names, see metrics.py).
+
+Bad input never reaches the engine: every error is OpenAI's JSON body
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx status -- 400
+for a malformed or out-of-range request, 401 without the API key, 404 for an
+unknown model -- and the server goes on serving. A client that disconnects,
+streaming or not, has its request aborted in the core at once.
+
+    nanoengine serve SmolLM2-135M-Instruct --port 8000 [--api-key KEY] [engine arguments]
+    python -m nanoengine.entrypoints.openai.api_server SmolLM2-135M-Instruct ...
+
+vLLM 0.32 counterpart: ``vllm/entrypoints/launchers/app.py`` (``build_app``),
+``vllm/entrypoints/launchers/api_server/entry.py`` (``build_async_engine_client``,
+``run_server``), the routers of ``vllm/entrypoints/openai/`` and
+``with_cancellation`` / ``listen_for_disconnect`` of
+``vllm/entrypoints/serve/utils/api_utils.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from nanoengine.engine.arg_utils import EngineArgs
+from nanoengine.engine.async_llm import AsyncLLM
+from nanoengine.engine.exceptions import EngineDeadError
+from nanoengine.entrypoints.openai.metrics import ServerMetrics
+from nanoengine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorInfo,
+    ErrorResponse,
+    TokenizeRequest,
+)
+from nanoengine.entrypoints.openai.serving import OpenAIServing
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """OpenAI's error body, the status repeated as ``code``."""
+    body = ErrorResponse(error=ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "Error"),
+                                         param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI application: routes, error handlers, the API-key check, metrics."""
+    serving = OpenAIServing(engine, served_model_name)
+    metrics = ServerMetrics(served_model_name)
+    engine.finished_listeners.append(metrics.record_finished)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="nanoengine", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+        return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where)
+
+    @app.middleware("http")
+    async def require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if api_key is not None and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return error_response(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
+        return await call_next(request)
+
+    def check_model(model: str | None) -> JSONResponse | None:
+        if model is not None and model != served_model_name:
+            return error_response(404, f"The model {model!r} does not exist; this server serves "
+                                       f"{served_model_name!r}.", "model")
+        return None
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if engine.errored else 200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "owned_by": "nanoengine",
+                                            "max_model_len": engine.engine_config.model_config.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        if (refused := check_model(body.model)) is not None:
+            return refused
+        try:
+            params, prompts = serving.prepare_completion(body)
+        except (ValueError, TypeError) as error:
+            return error_response(400, str(error))
+        return await _respond(request, serving.completion(body, params, prompts))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        if (refused := check_model(body.model)) is not None:
+            return refused
+        try:
+            params, prompt = serving.prepare_chat(body)
+        except (ValueError, TypeError) as error:
+            return error_response(400, str(error))
+        return await _respond(request, serving.chat(body, params, prompt))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        try:
+            if body.messages is not None:
+                ids = engine.renderer.render_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+                tokens = ids["prompt_token_ids"]
+            else:
+                tokens = list(engine.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens))
+        except (ValueError, TypeError) as error:
+            return error_response(400, str(error))
+        return JSONResponse({"tokens": tokens, "count": len(tokens),
+                             "max_model_len": engine.engine_config.model_config.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        vocab_size = engine.engine_config.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            return error_response(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab_size}).", "tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        if not engine.errored:
+            metrics.update_engine_stats(await engine.get_stats())
+        return PlainTextResponse(metrics.render(), media_type=metrics.content_type)
+
+    return app
+
+
+async def _respond(request: Request, work: Awaitable[Any]) -> Response:
+    """Run a generation; a disconnect aborts it, the client's mistakes become 400s."""
+    try:
+        result = await _cancel_on_disconnect(request, work)
+    except EngineDeadError as error:
+        return error_response(503, str(error))
+    except (ValueError, TypeError) as error:
+        return error_response(400, str(error))
+    if result is None:  # the client left: nobody to answer
+        return Response(status_code=499)
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump(exclude_none=True))
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work`` unless the client disconnects first; then cancel it (None).
+
+    Cancelling the handler closes its ``AsyncLLM.generate`` generators, which
+    abort their requests in the engine core, freeing their KV blocks.
+    """
+    handler = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    done, _ = await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if handler in done:
+        watcher.cancel()
+        return handler.result()
+    handler.cancel()
+    return None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def make_arg_parser() -> argparse.ArgumentParser:
+    """vLLM's serve flags where they overlap, then every engine argument."""
+    parser = argparse.ArgumentParser(prog="nanoengine serve", description="An OpenAI-compatible server.")
+    parser.add_argument("model", nargs="?", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("NANOENGINE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 routes (or NANOENGINE_API_KEY)")
+    parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    parser.add_argument("--log-level", default="warning")
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Build the engine (the core process starts), then serve until interrupted."""
+    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+    app = build_app(engine, args.served_model_name or args.model, args.api_key)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_server(make_arg_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

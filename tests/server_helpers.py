@@ -1,0 +1,100 @@
+"""Start ``nanoengine serve`` on a free port for a test, and make sure it is gone afterwards.
+
+Servers bind 127.0.0.1 only. ``running_server`` yields the base URL and the
+server's process; on exit it stops the server (SIGTERM, then SIGKILL) and
+checks that no engine-core process it started outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+API_KEY = "sk-nanoengine-test"
+NANOENGINE = str(Path(sys.executable).parent / "nanoengine")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of ``pid`` (the engine core process of a server)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        text = (task / "children").read_text() if (task / "children").exists() else ""
+        children += [int(child) for child in text.split()]
+    return children
+
+
+def is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "State:\tZ" not in status.read_text()
+
+
+def wait_until(condition: object, seconds: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(interval)
+    return False
+
+
+@contextmanager
+def running_server(model: str, *flags: str, api_key: str | None = API_KEY) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = free_port()
+    args = [NANOENGINE, "serve", model, "--host", "127.0.0.1", "--port", str(port), *flags]
+    if api_key is not None:
+        args += ["--api-key", api_key]
+    server = subprocess.Popen(args)
+    base_url = f"http://127.0.0.1:{port}"
+    cores: list[int] = []
+    try:
+        ready = wait_until(lambda: _healthy(base_url) or server.poll() is not None, 180, 0.25)
+        assert ready and server.poll() is None, "the server did not come up"
+        cores = child_pids(server.pid)
+        yield base_url, server
+    finally:
+        cores = cores or child_pids(server.pid)
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(15)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(10)
+        leftovers = [pid for pid in cores if not wait_until(lambda pid=pid: not is_running(pid), 10)]
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+        assert not leftovers, f"engine core processes outlived their server: {leftovers}"
+
+
+def _healthy(base_url: str) -> bool:
+    try:
+        return httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def metric(base_url: str, name: str) -> float:
+    """One sample's value from ``/metrics`` (the first line starting with ``name``)."""
+    for line in httpx.get(f"{base_url}/metrics", timeout=5.0).text.splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)

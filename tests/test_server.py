@@ -1,0 +1,175 @@
+"""``nanoengine serve`` against the official ``openai`` client (chapter 8).
+
+One server on the tiny test model serves most tests (module scope); the tests
+that kill its engine core start servers of their own. Every server binds
+127.0.0.1 on a free port and is checked to leave no engine-core process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from server_helpers import API_KEY, child_pids, metric, running_server, wait_until
+
+from nanoengine import LLM, SamplingParams
+
+MAX_MODEL_LEN = 512
+FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(8 << 20), "--block-size", "16")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: str) -> Iterator[str]:
+    with running_server(tiny_llama, *FLAGS) as (base_url, _):
+        yield base_url
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_models_and_greedy_text_equal_to_the_offline_engine(client: openai.OpenAI, tiny_llama: str) -> None:
+    assert [m.id for m in client.models.list().data] == [tiny_llama]
+    offline = LLM(tiny_llama, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=8 << 20, block_size=16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected_text = offline.generate(["hello world"], greedy, use_tqdm=False)[0].outputs[0].text
+    served = client.completions.create(model=tiny_llama, prompt="hello world", max_tokens=12, temperature=0.0,
+                                       extra_body={"ignore_eos": True})
+    assert served.choices[0].text == expected_text and served.choices[0].finish_reason == "length"
+    assert served.usage is not None and served.usage.completion_tokens == 12
+    conversation = [{"role": "user", "content": "hi there"}]
+    expected_chat = offline.chat(conversation, greedy, use_tqdm=False)[0].outputs[0].text
+    chat = client.chat.completions.create(model=tiny_llama, messages=conversation,  # type: ignore[arg-type]
+                                          max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == expected_chat
+
+
+def test_streaming_chat_and_completion_concatenate_to_the_whole(client: openai.OpenAI, tiny_llama: str) -> None:
+    conversation = [{"role": "user", "content": "tell me"}]
+    whole = client.chat.completions.create(model=tiny_llama, messages=conversation,  # type: ignore[arg-type]
+                                           max_tokens=10, temperature=0.0)
+    chunks = list(client.chat.completions.create(model=tiny_llama, messages=conversation,  # type: ignore[arg-type]
+                                                 max_tokens=10, temperature=0.0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    pieces = list(client.completions.create(model=tiny_llama, prompt="abc", max_tokens=8, temperature=0.0,
+                                            stream=True))
+    full = client.completions.create(model=tiny_llama, prompt="abc", max_tokens=8, temperature=0.0)
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == full.choices[0].text
+
+
+def test_n2_with_a_seed_is_reproducible(client: openai.OpenAI, tiny_llama: str) -> None:
+    def sample() -> list[str]:
+        reply = client.completions.create(model=tiny_llama, prompt="once upon", max_tokens=8, n=2, seed=7,
+                                          temperature=1.0)
+        return [choice.text for choice in sorted(reply.choices, key=lambda c: c.index)]
+
+    first = sample()
+    assert len(first) == 2 and sample() == first
+
+
+def test_stop_string_cuts_the_text(client: openai.OpenAI, tiny_llama: str) -> None:
+    text = client.completions.create(model=tiny_llama, prompt="stop here", max_tokens=16, temperature=0.0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = next((text[i : i + 2] for i in range(2, len(text) - 2) if text[i : i + 2].strip()), None)
+    if stop is None:
+        pytest.fail(f"the greedy text {text!r} has no two-character piece to stop on")
+    cut = client.completions.create(model=tiny_llama, prompt="stop here", max_tokens=16, temperature=0.0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_api_key_is_required(server: str, tiny_llama: str) -> None:
+    anonymous = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.models.list()
+    assert httpx.get(f"{server}/health").status_code == 200  # health needs no key
+
+
+@pytest.mark.parametrize(
+    ("body", "param_or_words"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"content": "no role"}]}, "role"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_p": 7}, "top_p"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x" * 5000}]}, "max_model_len"),
+    ],
+)
+def test_bad_chat_requests_get_a_400_naming_the_field(server: str, body: dict[str, object], param_or_words: str) -> None:
+    reply = httpx.post(f"{server}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == 400
+    assert param_or_words in (error["param"] or "") + error["message"]
+
+
+def test_malformed_bodies_unknown_models_and_the_server_keeps_serving(server: str, client: openai.OpenAI,
+                                                                    tiny_llama: str) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    for raw in ("not json", '{"prompt": "x", "temperature": NaN}', '{"prompt": "x", "max_tokens": 1e999}'):
+        reply = httpx.post(f"{server}/v1/completions", content=raw, headers=headers)
+        assert reply.status_code == 400 and reply.json()["error"]["type"] == "BadRequestError", reply.text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert client.completions.create(model=tiny_llama, prompt="still here", max_tokens=2).choices[0].text is not None
+
+
+def test_tokenize_detokenize_and_metrics(server: str, tiny_llama: str) -> None:
+    tokens = httpx.post(f"{server}/tokenize", json={"prompt": "hello"}).json()["tokens"]
+    assert tokens and httpx.post(f"{server}/detokenize", json={"tokens": tokens}).json()["prompt"].endswith("hello")
+    assert httpx.post(f"{server}/detokenize", json={"tokens": [10**9]}).status_code == 400
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:generation_tokens_total",
+                 "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+        assert name in text, name
+
+
+def test_disconnect_mid_stream_aborts_and_frees_the_blocks(server: str, tiny_llama: str) -> None:
+    body = {"model": tiny_llama, "prompt": "a long story", "max_tokens": MAX_MODEL_LEN - 16, "stream": True,
+            "ignore_eos": True, "temperature": 0.0}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                break  # the request is running; now hang up
+        assert metric(server, "vllm:num_requests_running") == 1
+    start = time.monotonic()
+    assert wait_until(lambda: metric(server, "vllm:num_requests_running") == 0, 1.0), "not aborted within 1 s"
+    free, usable = metric(server, "nanoengine:kv_cache_free_blocks"), metric(server, "nanoengine:kv_cache_usable_blocks")
+    assert free == usable, f"{usable - free} KV blocks leaked"
+    assert time.monotonic() - start < 1.0
+
+
+def test_killed_core_turns_health_503_and_fails_requests_in_flight(tiny_llama: str) -> None:
+    with running_server(tiny_llama, *FLAGS, api_key=None) as (base_url, server_process):
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=30)
+        errors: list[BaseException] = []
+
+        def long_request() -> None:
+            try:
+                client.completions.create(model=tiny_llama, prompt="x", max_tokens=MAX_MODEL_LEN - 8,
+                                          extra_body={"ignore_eos": True})
+            except BaseException as error:  # noqa: BLE001 -- the test inspects it
+                errors.append(error)
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        time.sleep(0.3)
+        (core,) = child_pids(server_process.pid)
+        os.kill(core, signal.SIGKILL)
+        assert wait_until(lambda: httpx.get(f"{base_url}/health").status_code == 503, 5.0)
+        worker.join(10)
+        assert not worker.is_alive(), "the request in flight hung"
+        assert errors and isinstance(errors[0], openai.APIStatusError) and errors[0].status_code == 503
