@@ -8,9 +8,11 @@ shape and its longest context. vLLM 0.32 counterpart: ``vllm/engine/arg_utils.py
 
 from __future__ import annotations
 
+import argparse
 import os
+import types
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from nanoengine.attention.selector import BACKEND_NAMES
 from nanoengine.config import (
@@ -72,6 +74,32 @@ class EngineArgs:
     # (NANOENGINE_ENABLE_MULTIPROCESSING=1 too; vLLM's switch is
     # VLLM_ENABLE_V1_MULTIPROCESSING, on by default there, off here).
     multiprocess_mode: bool = False
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One ``--kebab-case`` flag per field, typed from its annotation (``nanoengine serve``).
+
+        vLLM's own flags have the same names, so ``--max-model-len 512`` or
+        ``--no-enable-prefix-caching`` mean the same thing to both servers.
+        """
+        hints = get_type_hints(cls)
+        group = parser.add_argument_group("engine arguments")
+        for field in fields(cls):
+            if field.name in _NOT_ON_THE_COMMAND_LINE:
+                continue
+            flag = "--" + field.name.replace("_", "-")
+            kind, choices, is_list = _cli_type(hints[field.name])
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+            else:
+                group.add_argument(flag, type=kind, choices=choices, nargs="+" if is_list else None,
+                                   default=None if is_list else field.default)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The parsed flags (``args.model`` included) back into engine arguments."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**values)
 
     def use_multiprocessing(self) -> bool:
         """Whether the engine core gets a process of its own (the argument or the env var)."""
@@ -191,6 +219,22 @@ class EngineArgs:
             raise ValueError(
                 f"tensor_parallel_size must be 1 (nanoengine runs on one device), got {self.tensor_parallel_size}."
             )
+
+
+# Fields the command line does not set: the model is positional, a KV connector
+# is configured in Python (chapter 5).
+_NOT_ON_THE_COMMAND_LINE = ("model", "kv_transfer_config")
+
+
+def _cli_type(annotation: Any) -> tuple[type, list[str] | None, bool]:
+    """(argparse type, choices, is a list) for one field's annotation."""
+    is_union = get_origin(annotation) in (Union, types.UnionType)
+    inner = next(arg for arg in get_args(annotation) if arg is not type(None)) if is_union else annotation
+    if get_origin(inner) is Literal:
+        return str, list(get_args(inner)), False
+    if get_origin(inner) is list:
+        return get_args(inner)[0], None, True
+    return inner, None, False
 
 
 def _env_flag(name: str) -> bool:

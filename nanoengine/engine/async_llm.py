@@ -6,9 +6,9 @@ must stream each one's tokens while the others run. ``AsyncLLM`` does that on
 top of the same front end as ``LLMEngine`` (renderer, input processor, output
 processor) with the engine core in its own process (``AsyncMPClient``):
 
-* ``generate(prompt, params, request_id)`` sends the request and returns an
-  async generator; each ``RequestOutput`` the engine makes for it is yielded as
-  it arrives, the last one with ``finished=True``;
+* ``generate(prompt, params, request_id)`` sends the request at once (a bad
+  one raises there) and returns an async generator; each ``RequestOutput`` the
+  engine makes for it is yielded as it arrives, the last with ``finished=True``;
 * one **output handler** task, started with the first request, pulls batches of
   ``EngineCoreOutputs`` from the client, runs them through the output processor
   (detokenizing, stop strings, ``n > 1``) and puts each ``RequestOutput`` into
@@ -27,7 +27,7 @@ the same four members as ``LLMEngine`` side by side; here it inherits them from
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any
 
 from nanoengine.config import EngineConfig
@@ -50,6 +50,8 @@ class AsyncLLM(LLMEngine):
         self.collectors: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.output_handler: asyncio.Task[None] | None = None
         self.dead_error: BaseException | None = None
+        # Called with every finished RequestOutput (a server's metrics, chapter 8).
+        self.finished_listeners: list[Callable[[RequestOutput], None]] = []
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
@@ -60,30 +62,37 @@ class AsyncLLM(LLMEngine):
         """True once the engine core is gone: no request can finish any more."""
         return self.dead_error is not None
 
-    async def generate(
+    def generate(
         self,
         prompt: PromptType | RenderedPrompt,
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Send one request; yield its ``RequestOutput`` after every step that touched it.
+        """Send one request now; return the async generator of its ``RequestOutput``s.
 
-        A ``RenderedPrompt`` (a chat conversation already rendered, say) goes in
-        as it is; anything else is rendered first. Closing the generator before
-        the last output aborts the request in the engine core.
+        A bad request raises here, before anything is queued (a server answers
+        400 before it starts a stream). A ``RenderedPrompt`` (a chat conversation
+        already rendered, say) goes in as it is; anything else is rendered first.
+        Closing the generator before the last output aborts the request in the
+        engine core. Call it from the event loop that will read the outputs.
         """
         if self.dead_error is not None:
             raise self.dead_error
         if request_id in self.collectors:
             raise ValueError(f"Request id {request_id!r} is already in use by a live request.")
         rendered = prompt if _is_rendered(prompt) else self.renderer.render_prompt(prompt)  # type: ignore[arg-type]
+        self.add_rendered_request(request_id, rendered, sampling_params, priority=priority)  # type: ignore[arg-type]
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.collectors[request_id] = queue
+        self._start_output_handler()
+        return self._outputs_of(request_id, queue)
+
+    async def _outputs_of(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
-            self.add_rendered_request(request_id, rendered, sampling_params, priority=priority)  # type: ignore[arg-type]
-            self._start_output_handler()
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -93,15 +102,21 @@ class AsyncLLM(LLMEngine):
         finally:
             self.collectors.pop(request_id, None)
             if not finished and self.dead_error is None:
-                # The consumer went away (or the request was refused): free its blocks now.
+                # The consumer went away: free the request's KV blocks now.
                 self.abort_request(request_id)
 
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort in the engine core, and end the generators still reading these requests."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        super().abort_request(ids)
+        for request_id in ids:
+            queue = self.collectors.pop(request_id, None)
+            if queue is not None:
+                queue.put_nowait(asyncio.CancelledError(f"request {request_id!r} was aborted"))
+
     async def abort(self, request_id: str) -> None:
-        """End a request from outside its generator; the generator then stops."""
+        """vLLM's spelling: ``await engine.abort(request_id)``."""
         self.abort_request(request_id)
-        queue = self.collectors.get(request_id)
-        if queue is not None:
-            queue.put_nowait(asyncio.CancelledError(f"request {request_id!r} was aborted"))
 
     async def get_stats(self) -> dict[str, Any]:
         """The scheduler's counters, from the core process (for ``/metrics``)."""
@@ -124,6 +139,9 @@ class AsyncLLM(LLMEngine):
                     queue = self.collectors.get(output.request_id)
                     if queue is not None:
                         queue.put_nowait(output)
+                    if output.finished:
+                        for listener in self.finished_listeners:
+                            listener(output)
         except Exception as error:  # noqa: BLE001 -- EngineDeadError above all: tell every request
             self.dead_error = error
             for queue in self.collectors.values():
