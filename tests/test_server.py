@@ -173,3 +173,60 @@ def test_killed_core_turns_health_503_and_fails_requests_in_flight(tiny_llama: s
         worker.join(10)
         assert not worker.is_alive(), "the request in flight hung"
         assert errors and isinstance(errors[0], openai.APIStatusError) and errors[0].status_code == 503
+
+
+@pytest.mark.slow
+def test_soak_1000_requests_with_disconnects_leaks_nothing(server: str, tiny_llama: str) -> None:
+    """1,000 streamed requests at concurrency 64, about 20% hung up at a random point.
+
+    Every request that is not hung up finishes with a finish reason; afterwards
+    nothing runs, no KV block is held, and the server is healthy. Bounded: the
+    loop stops by itself after its 1,000 requests (or its time limit).
+    """
+    import asyncio
+    import random
+
+    async def soak() -> tuple[int, int, list[str]]:
+        rng = random.Random(0)
+        limit = asyncio.Semaphore(64)
+        finished, hung_up, problems = 0, 0, []
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=server, headers=headers, timeout=60) as http:
+
+            async def one(i: int) -> None:
+                nonlocal finished, hung_up
+                body = {"model": tiny_llama, "prompt": f"request {i}", "stream": True, "ignore_eos": True,
+                        "max_tokens": rng.randint(1, 48), "temperature": rng.choice([0.0, 0.8]), "seed": i}
+                hang_up_after = rng.randint(1, 8) if rng.random() < 0.2 else None
+                async with limit, http.stream("POST", "/v1/completions", json=body) as reply:
+                    chunks, reason = 0, None
+                    async for line in reply.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        chunks += 1
+                        reason = reason or _finish_reason(line)
+                        if hang_up_after is not None and chunks >= hang_up_after and reason is None:
+                            hung_up += 1
+                            return
+                    if reason is None:
+                        problems.append(f"request {i} ended without a finish reason")
+                    finished += 1
+
+            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(1000))), timeout=600)
+        return finished, hung_up, problems
+
+    finished, hung_up, problems = asyncio.run(soak())
+    assert not problems, problems[:5]
+    assert finished + hung_up == 1000 and hung_up > 100
+    assert wait_until(lambda: metric(server, "vllm:num_requests_running") == 0
+                      and metric(server, "vllm:num_requests_waiting") == 0, 5.0)
+    assert metric(server, "nanoengine:kv_cache_free_blocks") == metric(server, "nanoengine:kv_cache_usable_blocks")
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def _finish_reason(line: str) -> str | None:
+    import json
+
+    choices = json.loads(line[len("data: "):]).get("choices") or [{}]
+    reason: str | None = choices[0].get("finish_reason")
+    return reason
