@@ -43,6 +43,7 @@ import struct
 import sys
 import threading
 import time
+from collections import deque
 from types import FrameType
 from typing import Any
 
@@ -57,7 +58,9 @@ from nanoengine.engine import (
     UtilityOutput,
 )
 from nanoengine.engine.core import EngineCore
+from nanoengine.request import Request
 from nanoengine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from nanoengine.utils.method_taps import tap
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +81,9 @@ class EngineCoreRequestType(enum.Enum):
 # the process exit to learn of it.
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 # The methods a utility call may run (a socket is no reason to expose every method).
-UTILITY_METHODS = frozenset({"append_prompt", "reset_prefix_cache", "get_stats", "describe"})
+UTILITY_METHODS = frozenset(
+    {"append_prompt", "reset_prefix_cache", "get_stats", "describe", "get_recently_finished"}
+)
 
 
 class EngineCoreProc(EngineCore):
@@ -89,6 +94,10 @@ class EngineCoreProc(EngineCore):
         self.output_queue: queue.Queue[EngineCoreOutputs | bytes] = queue.Queue()
         # Builds the model, sizes the KV cache, makes the scheduler (chapter 6).
         super().__init__(engine_config)
+        # The last requests to end, and how (FINISHED_ABORTED for a client that
+        # hung up): vLLM logs these lines; here a utility call can read them.
+        self.recently_finished: deque[tuple[str, str]] = deque(maxlen=32)
+        tap(self.scheduler, "_free_request", after=self._note_finished)
         ready = threading.Event()
         threading.Thread(
             target=self.process_input_sockets, args=(input_address, ready), name="EngineCoreInput", daemon=True
@@ -214,6 +223,17 @@ class EngineCoreProc(EngineCore):
                 socket.send(encoder.encode(outputs))
 
     # ---- what utility calls may ask ----------------------------------------------------
+
+    def _note_finished(self, _: None, request: Request) -> None:
+        self.recently_finished.append((request.request_id, request.status.name))
+
+    def get_recently_finished(self) -> list[tuple[str, str]]:
+        """(request id, FINISHED_* status) of the last requests to end, oldest first."""
+        return list(self.recently_finished)
+
+    def describe(self) -> dict[str, Any]:
+        """The in-process facts, plus this process's threads (chapter 8 prints them)."""
+        return {**super().describe(), "threads": sorted(thread.name for thread in threading.enumerate())}
 
     def get_stats(self) -> dict[str, Any]:
         """The scheduler's counters (for ``/metrics``): queues, KV usage, prefix cache."""
