@@ -82,7 +82,7 @@ class ForwardWatch:
         tap(runner, "_forward", before=self._saw_inputs)
         tap(runner.dispatcher, "dispatch", after=self._saw_decision)
 
-    def _saw_inputs(self, inputs: StepInputs) -> None:
+    def _saw_inputs(self, inputs: StepInputs, *rest: object) -> None:
         self.inputs = inputs
 
     def _saw_decision(self, decision: CudagraphDecision, *args: int) -> None:

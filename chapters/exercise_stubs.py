@@ -1,11 +1,12 @@
 """The student stubs of the graded exercises: render them, check them, write them back.
 
-Chapters 1, 3-7 (the exercises). Each ``# BEGIN EXERCISE <id>`` ... ``# END
+Chapters 1, 3-8 (the exercises). Each ``# BEGIN EXERCISE <id>`` ... ``# END
 EXERCISE <id>`` region of the reference code holds one function or method. Its
 stub keeps the signature and docstring and replaces the body with
 ``raise NotImplementedError("Exercise <id>: see docs/exercises/<id>")``. A
 method becomes a module-level function whose ``self`` is annotated with its
-class, which is how the grader can swap it into the class.
+class, which is how the grader can swap it into the class. An ``async def``
+stays one: its stub raises when it is awaited.
 
 A stub a student has written in is never overwritten by accident: ``write``
 skips it (``--force`` in ``scripts/make_exercises.py`` overrides), and
@@ -26,14 +27,14 @@ import textwrap
 import types
 from pathlib import Path
 
-from chapters.exercises import EXERCISES_DIR, REPO_ROOT, Exercise, find_exercises
+from chapters.exercises import EXERCISES_DIR, REPO_ROOT, Exercise, FunctionNode, find_exercises
 
 # Decorators make no sense on the module-level stub; the grader re-applies
 # staticmethod itself when the reference attribute is one.
 _SELF = re.compile(r"\bself\b(?=\s*[,)])")
 
 
-def _annotation_names(node: ast.FunctionDef) -> set[str]:
+def _annotation_names(node: FunctionNode) -> set[str]:
     """Top-level names the signature mentions (``torch`` for ``torch.Tensor``)."""
     args = node.args
     parts: list[ast.AST | None] = [node.returns, *args.defaults, *args.kw_defaults]

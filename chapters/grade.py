@@ -14,7 +14,7 @@ what differs (``chapters/grade_messages.py``). The same machinery backs
 ``tests/test_exercises.py`` (pytest marker ``exercise_4_1``; ``NANOENGINE_STUDENT=1``
 grades the stubs instead of the reference).
 
-Chapters 1, 3-7 (the exercises). vLLM 0.32 counterpart: none (teaching material).
+Chapters 1, 3-8 (the exercises). vLLM 0.32 counterpart: none (teaching material).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ that explains it and the vLLM 0.32 file it mirrors.
 """
 
 from nanoengine.entrypoints.llm import LLM
+from nanoengine.inputs import PromptType, TextPrompt, TokensPrompt
 from nanoengine.outputs import CompletionOutput, RequestOutput
 from nanoengine.sampling_params import RepetitionDetectionParams, SamplingParams, StructuredOutputsParams
 
@@ -16,5 +17,8 @@ __all__ = [
     "RepetitionDetectionParams",
     "RequestOutput",
     "CompletionOutput",
+    "PromptType",
+    "TextPrompt",
+    "TokensPrompt",
 ]
 __version__ = "0.1.0"

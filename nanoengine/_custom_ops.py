@@ -39,6 +39,8 @@ SOURCES = ("attention.cpp", "prefill_attention.cpp", "gemm.cpp", "layers.cpp", "
 # within fp32 rounding of the torch reference; the tests check).
 # -fopenmp makes at::parallel_for use torch's own OpenMP thread pool.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# A build lock older than this was left by a build that died (a build takes about a minute).
+_STALE_LOCK_S = 600.0
 
 
 def _cpu_fingerprint() -> str:
@@ -65,6 +67,28 @@ def needs_compiling() -> bool:
     return built.stat().st_mtime < newest_source
 
 
+def _clear_stale_build_lock() -> None:
+    """Remove a build lock no live build can hold; announce one that may be live.
+
+    torch's builder creates ``lock`` in the build directory and removes it when
+    done; a build that was killed leaves it behind, and every later process
+    would then wait for it forever, silently. A build takes about a minute, so
+    a lock older than ``_STALE_LOCK_S`` is left over from a dead one.
+    """
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(_module_name(), verbose=False)) / "lock"
+    if not lock.exists():
+        return
+    age = time.time() - lock.stat().st_mtime
+    if age > _STALE_LOCK_S:
+        print(f"nanoengine: removing a stale C++ build lock ({lock}, {age / 60:.0f} min old).", file=sys.stderr)
+        lock.unlink(missing_ok=True)
+    else:
+        print(f"nanoengine: another process is building the C++ CPU kernels ({lock}); waiting for it ...",
+              file=sys.stderr, flush=True)
+
+
 @functools.cache
 def load_cpu_ops() -> Any:
     """Compile (or fetch from the cache) and import the kernels. Raises on failure.
@@ -75,6 +99,7 @@ def load_cpu_ops() -> Any:
     """
     from torch.utils.cpp_extension import load
 
+    _clear_stale_build_lock()
     compiling = needs_compiling()
     if compiling:
         print("nanoengine: compiling the C++ CPU kernels (first use after a change, about a minute; "

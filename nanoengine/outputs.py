@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanoengine.engine import EngineCoreEvent, EngineCoreEventType
+from nanoengine.logprobs import PromptLogprobs, SampleLogprobs
 
 
 @dataclass
@@ -22,8 +23,11 @@ class CompletionOutput:
     finish_reason: str | None = None
     # The stop string or stop token id that ended the sequence, if any.
     stop_reason: int | str | None = None
+    # With SamplingParams.logprobs: the sum of the sampled tokens' logprobs, and
+    # one {token id: Logprob} dict per token of token_ids (the sampled token and
+    # the top candidates). None when logprobs were not asked for.
     cumulative_logprob: float | None = None
-    logprobs: None = None
+    logprobs: SampleLogprobs | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -108,3 +112,5 @@ class RequestOutput:
     finish_message: str | None = field(default=None, repr=False)
     # Prompt tokens whose KV a KV connector loaded instead of computing (chapter 5).
     num_external_computed_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one dict per prompt token, the first None.
+    prompt_logprobs: PromptLogprobs | None = None

@@ -180,6 +180,14 @@ class Request:
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens
 
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """prompt_logprobs need the logits of every prompt position (chapter 8), so
+        none may come from the prefix cache; the request still writes its blocks
+        into the cache for others.
+        """
+        return self.sampling_params.prompt_logprobs is not None
+
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         """Record newly sampled tokens and extend the block hashes they complete."""
         if isinstance(token_ids, int):

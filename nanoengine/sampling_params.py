@@ -11,13 +11,37 @@ it, with a message that names the value and the allowed range.
 
 from __future__ import annotations
 
+import enum
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 # Sampling with a temperature this close to zero is treated as greedy: dividing
 # logits by ~0 would overflow, and argmax is what the user means anyway.
 _GREEDY_EPS = 1e-5
+# The most top logprobs one position may ask for (``logprobs``, ``prompt_logprobs``):
+# OpenAI's limit, and vLLM's default ``max_logprobs``.
+MAX_LOGPROBS = 20
+# OpenAI's range for one logit_bias entry: +-100 bans or forces a token.
+MAX_ABS_LOGIT_BIAS = 100.0
+# OpenAI's range for presence_penalty and frequency_penalty.
+MAX_ABS_PENALTY = 2.0
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a running request holds (chapter 8).
+
+    CUMULATIVE: everything generated so far (the offline default); DELTA: only
+    what is new since the previous output (a server streams these);
+    FINAL_ONLY: nothing until the request finishes, then everything.
+    vLLM 0.32 counterpart: ``RequestOutputKind`` in ``vllm/sampling_params.py``.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -82,15 +106,32 @@ class SamplingParams:
     # -1 disables top-k. (vLLM 0.32 also accepts 0 for "disabled"; nanoengine treats
     # 0 as the mistake it usually is and asks for -1 explicitly.)
     top_k: int = -1
+    # Drop tokens less likely than min_p times the most likely one (0 disables).
+    min_p: float = 0.0
+    # OpenAI's penalties on the output so far: presence subtracts a constant from
+    # every token already generated, frequency subtracts per occurrence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # HF's penalty on prompt and output tokens: > 1 discourages repeating them.
+    repetition_penalty: float = 1.0
+    # token id -> value added to its logit before anything else (OpenAI logit_bias).
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
+    # Top logprobs to return per generated token, besides the sampled token's own
+    # (0 = only the sampled token's); None returns none. At most MAX_LOGPROBS.
+    logprobs: int | None = None
+    # The same for every prompt token (the first has none: nothing precedes it).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    # What each RequestOutput holds: all so far, only what is new, or only the end.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Scheduling priority (lower value = served first) used by the priority policy.
     priority: int = 0
     # Grammar-constrained decoding (choice / regex / JSON schema), chapter 5.
@@ -119,13 +160,18 @@ class SamplingParams:
         _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0.0:
+        if _check_finite("temperature", self.temperature) < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < _check_finite("top_p", self.top_p) <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         _check_int("top_k", self.top_k)
         if self.top_k < -1 or self.top_k == 0:
             raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        self._verify_penalties()
+        for name in ("logprobs", "prompt_logprobs"):
+            _check_logprobs_count(name, getattr(self, name))
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {type(self.output_kind).__name__}.")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
@@ -156,6 +202,20 @@ class SamplingParams:
                 f"{type(self.repetition_detection).__name__}."
             )
 
+    def _verify_penalties(self) -> None:
+        """min_p, the three penalties and logit_bias, each against its range."""
+        if not 0.0 <= _check_finite("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_finite(name, getattr(self, name))
+            if abs(value) > MAX_ABS_PENALTY:
+                limit = f"{MAX_ABS_PENALTY:g}"
+                raise ValueError(f"{name} must be in [-{limit}, {limit}], got {getattr(self, name)}.")
+        if _check_finite("repetition_penalty", self.repetition_penalty) <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than 0, got {self.repetition_penalty}.")
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias)
+
     @property
     def greedy(self) -> bool:
         """True when the sampler may take argmax: no randomness is asked for."""
@@ -172,3 +232,41 @@ def _check_int(name: str, value: object) -> None:
     """bool is an int subclass in Python; reject it along with floats and strings."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
+
+
+def _check_finite(name: str, value: object) -> float:
+    """An int or float that is a real number: NaN compares False with every limit,
+    so without this check a NaN would slip past all the range tests.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}.")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}.")
+    return float(value)
+
+
+def _check_logprobs_count(name: str, value: int | None) -> None:
+    if value is None:
+        return
+    _check_int(name, value)
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
+
+
+def _checked_logit_bias(logit_bias: object) -> dict[int, float]:
+    """A fresh {int token id: float bias} with every bias within +-MAX_ABS_LOGIT_BIAS.
+
+    Token ids are checked against the vocabulary later, by the input processor,
+    which knows its size.
+    """
+    if not isinstance(logit_bias, Mapping):
+        raise TypeError(f"logit_bias must be a dict of token id to bias, got {type(logit_bias).__name__}.")
+    checked: dict[int, float] = {}
+    for token_id, bias in logit_bias.items():
+        _check_int("logit_bias token id", token_id)
+        value = _check_finite(f"logit_bias[{token_id}]", bias)
+        if abs(value) > MAX_ABS_LOGIT_BIAS:
+            limit = f"{MAX_ABS_LOGIT_BIAS:g}"
+            raise ValueError(f"logit_bias[{token_id}] must be in [-{limit}, {limit}], got {bias}.")
+        checked[token_id] = value
+    return checked

@@ -202,6 +202,8 @@ def build_systems(args: argparse.Namespace, model_path: str) -> tuple[list[Syste
         # repeat 1 and measure memory, not generation.
         "enable_prefix_caching": args.prefix_caching,
         "async_scheduling": args.async_scheduling,
+        # Chapter 8: the engine core in a process of its own (same work, one socket hop per step).
+        "multiprocess_mode": args.multiprocess,
     }
     if not args.skip_engine:
         systems.append(engine_system(model_path, engine_kwargs, args.threads))
@@ -280,6 +282,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefix-caching", action="store_true", help="enable the engine's prefix cache")
     parser.add_argument(
         "--async-scheduling", action="store_true", help="the engine schedules step N+1 while step N runs"
+    )
+    parser.add_argument(
+        "--multiprocess", action="store_true", help="the engine core runs in its own process (chapter 8)"
     )
     parser.add_argument(
         "--settle-seconds", type=float, default=3.0, help="idle pause before each timed run (see measure)"

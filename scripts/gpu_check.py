@@ -100,7 +100,7 @@ def decode_latency(llm: LLM) -> tuple[float, float]:
     runner = engine_.engine_core.get_engine_core().model_executor.driver_worker.model_runner
     assert runner is not None  # the worker built it in init_device
     seen: list[StepInputs] = []  # every forward pass's inputs, read through a tap
-    tap(runner, "_forward", before=seen.append)
+    tap(runner, "_forward", before=lambda inputs, *_: seen.append(inputs))
     engine_.add_rendered_request("lat", engine_.renderer.render_prompt(prompts(1, 32, 300)[0]),
                                  SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, detokenize=False))
     steps: list[float] = []

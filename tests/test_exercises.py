@@ -9,13 +9,14 @@ With ``NANOENGINE_STUDENT=1`` the same tests grade the student's code in
 from __future__ import annotations
 
 import ast
+import asyncio
 import inspect
 import os
 from pathlib import Path
 
 import pytest
 import yaml
-from exercise_mutants import Mutant, ch1, ch3, ch4, ch5, ch6, ch7
+from exercise_mutants import Mutant, ch1, ch3, ch4, ch5, ch6, ch7, ch8
 
 from chapters.exercise_stubs import check as check_stubs
 from chapters.exercise_stubs import is_untouched, render_stub, reset_stub, write
@@ -26,8 +27,9 @@ from chapters.grade_checks import CHECKS
 STUDENT = os.environ.get("NANOENGINE_STUDENT") == "1"
 EXERCISES = find_exercises()
 # The exercises the course promises; more may be added, none may disappear.
-REQUIRED = {"1.1", "3.1", "3.2", "4.1", "4.2", "4.3", "5.1", "5.2", "6.1", "7.1"}
-MUTANTS: list[Mutant] = [*ch1.MUTANTS, *ch3.MUTANTS, *ch4.MUTANTS, *ch5.MUTANTS, *ch6.MUTANTS, *ch7.MUTANTS]
+REQUIRED = {"1.1", "3.1", "3.2", "4.1", "4.2", "4.3", "5.1", "5.2", "6.1", "7.1", "8.1", "8.2"}
+MUTANTS: list[Mutant] = [*ch1.MUTANTS, *ch3.MUTANTS, *ch4.MUTANTS, *ch5.MUTANTS, *ch6.MUTANTS, *ch7.MUTANTS,
+                          *ch8.MUTANTS]
 # Every exercise gets at least this many planted mistakes for its grader to catch.
 MIN_MUTANTS = 3
 
@@ -98,9 +100,13 @@ def test_stub_keeps_the_signature(exercise_id: str) -> None:
     stub, reference = student_function(exercise), reference_function(exercise)
     assert list(inspect.signature(stub).parameters) == list(inspect.signature(reference).parameters)
     assert inspect.getdoc(stub) == inspect.getdoc(reference)
+    # An ``async def`` exercise (8.2) stays one: the grader's caller awaits it.
+    assert inspect.iscoroutinefunction(stub) == inspect.iscoroutinefunction(reference)
     if not STUDENT:  # in student mode the stub is the student's work
         with pytest.raises(NotImplementedError, match=f"Exercise {exercise_id}: see docs/exercises/{exercise_id}"):
-            stub(*[None] * len(inspect.signature(stub).parameters))
+            called = stub(*[None] * len(inspect.signature(stub).parameters))
+            if inspect.iscoroutine(called):  # a coroutine's body runs when it is awaited
+                asyncio.run(called)
 
 
 def test_checks_explain_themselves() -> None:

@@ -35,6 +35,11 @@ def metadata(
     )
 
 
+def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The sampled token ids [N] (the sampler also returns logprobs, unused here)."""
+    return Sampler()(logits, md).sampled_token_ids
+
+
 def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -46,14 +51,14 @@ def _seed() -> None:
 
 def test_greedy_is_argmax() -> None:
     logits = torch.randn(5, VOCAB)
-    out = Sampler()(logits, metadata(5, greedy=[True] * 5))
+    out = _sample(logits, metadata(5, greedy=[True] * 5))
     assert out.dtype == torch.int64
     assert torch.equal(out, logits.argmax(-1))
 
 
 def test_top_k_two_samples_only_the_two_largest() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.9, -1.0, 0.5, 0.2, 2.0]]).repeat(400, 1)
-    out = Sampler()(logits, metadata(400, top_k=2))
+    out = _sample(logits, metadata(400, top_k=2))
     assert set(out.tolist()) == {1, 3}
 
 
@@ -83,24 +88,24 @@ def test_seeded_row_is_reproducible_and_independent_of_neighbours() -> None:
     def draw(neighbours: torch.Tensor, seeded_row: int) -> int:
         logits = torch.cat([neighbours[:seeded_row], row[None], neighbours[seeded_row:]])
         md = metadata(len(logits), generators={seeded_row: seeded(1234)})
-        return int(Sampler()(logits, md)[seeded_row])
+        return int(_sample(logits, md)[seeded_row])
 
-    alone = [int(Sampler()(row[None], metadata(1, generators={0: seeded(1234)}))[0]) for _ in range(2)]
+    alone = [int(_sample(row[None], metadata(1, generators={0: seeded(1234)}))[0]) for _ in range(2)]
     assert alone[0] == alone[1]
     assert draw(torch.randn(3, VOCAB), 0) == alone[0]
     assert draw(torch.randn(5, VOCAB), 2) == alone[0]
     # A 20-token sequence from a seeded generator is a stream, and it replays too.
-    first = [int(Sampler()(row[None], metadata(1, generators={0: g}))[0]) for g in [seeded(7)] * 20]
-    again = [int(Sampler()(row[None], metadata(1, generators={0: g}))[0]) for g in [seeded(7)] * 20]
+    first = [int(_sample(row[None], metadata(1, generators={0: g}))[0]) for g in [seeded(7)] * 20]
+    again = [int(_sample(row[None], metadata(1, generators={0: g}))[0]) for g in [seeded(7)] * 20]
     assert first == again and len(set(first)) > 1
 
 
 def test_banned_ids_are_never_sampled() -> None:
     logits = torch.zeros(300, VOCAB)
     logits[:, 3] = 5.0  # the favourite, and banned
-    out = Sampler()(logits, metadata(300, banned={r: [3, 4] for r in range(300)}))
+    out = _sample(logits, metadata(300, banned={r: [3, 4] for r in range(300)}))
     assert not ({3, 4} & set(out.tolist()))
-    greedy = Sampler()(logits[:1], metadata(1, greedy=[True], banned={0: [3]}))
+    greedy = _sample(logits[:1], metadata(1, greedy=[True], banned={0: [3]}))
     assert int(greedy[0]) != 3
     assert float(logits[0, 3]) == 5.0  # the caller's logits are untouched
 
@@ -108,15 +113,15 @@ def test_banned_ids_are_never_sampled() -> None:
 def test_mixed_greedy_and_random_rows() -> None:
     logits = torch.randn(6, VOCAB)
     greedy = [True, False, True, False, False, True]
-    out = Sampler()(logits, metadata(6, temperature=5.0, greedy=greedy))
+    out = _sample(logits, metadata(6, temperature=5.0, greedy=greedy))
     for row in (0, 2, 5):
         assert int(out[row]) == int(logits[row].argmax())
     # Random rows at a high temperature do leave the argmax sometimes.
-    many = Sampler()(logits[1:2].repeat(200, 1), metadata(200, temperature=5.0))
+    many = _sample(logits[1:2].repeat(200, 1), metadata(200, temperature=5.0))
     assert len(set(many.tolist())) > 1
 
 
 def test_low_temperature_concentrates_on_argmax() -> None:
     logits = torch.randn(1, VOCAB).repeat(200, 1)
-    out = Sampler()(logits, metadata(200, temperature=1e-3))
+    out = _sample(logits, metadata(200, temperature=1e-3))
     assert set(out.tolist()) == {int(logits[0].argmax())}

@@ -143,8 +143,10 @@ def test_disconnect_mid_stream_aborts_and_frees_the_blocks(server: str, tiny_lla
                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as reply:
         for line in reply.iter_lines():
             if line.startswith("data: {"):
-                break  # the request is running; now hang up
-        assert metric(server, "vllm:num_requests_running") == 1
+                # Still reading: the request runs. Leaving the loop closes the
+                # stream, and with it the connection: that is the hang-up.
+                assert metric(server, "vllm:num_requests_running") == 1
+                break
     start = time.monotonic()
     assert wait_until(lambda: metric(server, "vllm:num_requests_running") == 0, 1.0), "not aborted within 1 s"
     free, usable = metric(server, "nanoengine:kv_cache_free_blocks"), metric(server, "nanoengine:kv_cache_usable_blocks")
@@ -230,3 +232,23 @@ def _finish_reason(line: str) -> str | None:
     choices = json.loads(line[len("data: "):]).get("choices") or [{}]
     reason: str | None = choices[0].get("finish_reason")
     return reason
+
+
+def test_logprobs_in_both_apis_match_the_offline_engine(client: openai.OpenAI, tiny_llama: str) -> None:
+    offline = LLM(tiny_llama, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=8 << 20, block_size=16)
+    expected = offline.generate(["logprobs please"], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2),
+                                use_tqdm=False)[0].outputs[0]
+    assert expected.logprobs is not None
+    expected_first = expected.logprobs[0][expected.token_ids[0]].logprob
+    reply = client.completions.create(model=tiny_llama, prompt="logprobs please", max_tokens=4, temperature=0.0,
+                                      logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.token_logprobs) == 4 and logprobs.token_logprobs[0] == pytest.approx(expected_first, abs=1e-4)
+    # Keyed by decoded text, so two tokens that decode alike share one entry.
+    assert all(len(top) >= 1 for top in logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=tiny_llama, messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=3, temperature=0.0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 3
+    assert all(entry.logprob <= 0.0 and len(entry.top_logprobs) >= 2 for entry in content)

@@ -3,7 +3,8 @@
 An exercise id such as ``4.1`` ties four things together:
 
 * a region of the reference code between ``# BEGIN EXERCISE 4.1`` and
-  ``# END EXERCISE 4.1`` comments, holding exactly one function or method;
+  ``# END EXERCISE 4.1`` comments, holding exactly one function or method
+  (``async def`` too: exercise 8.2 is a coroutine method);
 * the student stub ``chapters/exercises/ex4_1.py``, written by
   ``scripts/make_exercises.py``: same signature and docstring, body replaced by
   ``raise NotImplementedError``;
@@ -31,6 +32,8 @@ EXERCISES_DIR = Path(__file__).resolve().parent
 _SEARCHED_PACKAGES = ("nanoengine", "chapters")
 _BEGIN = re.compile(r"^\s*# BEGIN EXERCISE (\d+\.\d+)\s*$")
 _END = re.compile(r"^\s*# END EXERCISE (\d+\.\d+)\s*$")
+# A marked definition: a plain function or method, or a coroutine one (``async def``).
+FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class Exercise:
     path: Path  # the reference source file
     module: str  # "nanoengine.core.kv_cache_manager"
     qualname: str  # "KVCacheManager.allocate_slots"
-    node: ast.FunctionDef  # the marked definition, parsed from the current source
+    node: FunctionNode  # the marked definition, parsed from the current source
 
     @property
     def slug(self) -> str:
@@ -82,13 +85,13 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _definitions(tree: ast.Module) -> list[tuple[str, ast.FunctionDef]]:
-    """Every function and method with its qualified name (classes may nest)."""
-    found: list[tuple[str, ast.FunctionDef]] = []
+def _definitions(tree: ast.Module) -> list[tuple[str, FunctionNode]]:
+    """Every function and method (``async def`` included) with its qualified name (classes may nest)."""
+    found: list[tuple[str, FunctionNode]] = []
 
     def visit(body: list[ast.stmt], prefix: str) -> None:
         for node in body:
-            if isinstance(node, ast.FunctionDef):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 found.append((prefix + node.name, node))
             elif isinstance(node, ast.ClassDef):
                 visit(node.body, f"{prefix}{node.name}.")
@@ -97,7 +100,7 @@ def _definitions(tree: ast.Module) -> list[tuple[str, ast.FunctionDef]]:
     return found
 
 
-def first_line(node: ast.FunctionDef) -> int:
+def first_line(node: FunctionNode) -> int:
     """The definition's first line: its first decorator when it has any."""
     return min([d.lineno for d in node.decorator_list] + [node.lineno])
 

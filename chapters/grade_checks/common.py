@@ -73,28 +73,33 @@ def greedy_run(model: str, prompts: list[list[int]], max_tokens: int = 16,
 
 
 def e2e_preemption(model: str) -> dict[str, Any]:
+    """Four 7-token prompts, 16 greedy tokens each, in 9 usable blocks of 4 tokens: FCFS must preempt."""
     run = greedy_run(model, PROMPTS, **TIGHT_CACHE)
     assert run.num_preemptions > 0, "the tight cache was meant to force a preemption"
     return asdict(run)
 
 
 def e2e_priority_preemption(model: str) -> dict[str, Any]:
+    """The same four prompts and tight cache under the priority policy (priorities 3, 0, 2, 1)."""
     run = greedy_run(model, PROMPTS, priority=[3, 0, 2, 1], scheduling_policy="priority", **TIGHT_CACHE)
     assert run.num_preemptions > 0, "the tight cache was meant to force a preemption"
     return asdict(run)
 
 
 def e2e_prefix_cache(model: str) -> dict[str, Any]:
+    """Three prompts sharing a 12-token prefix, 8 greedy tokens each, 4-token blocks: the cache must hit."""
     run = greedy_run(model, PREFIX_PROMPTS, max_tokens=8, **SMALL_BLOCKS)
     assert run.prefix_cache_hits > 0, "the shared prefix was meant to hit the prefix cache"
     return asdict(run)
 
 
 def e2e_chunked_prefill(model: str) -> dict[str, Any]:
+    """Four 7-token prompts under an 8-token budget: prefills are cut into chunks, 8 greedy tokens each."""
     return asdict(greedy_run(model, PROMPTS, max_tokens=8, **SMALL_BUDGET))
 
 
 def e2e_plain(model: str) -> dict[str, Any]:
+    """Four 7-token prompts, 8 greedy tokens each, 64 blocks of 4 tokens."""
     return asdict(greedy_run(model, PROMPTS, max_tokens=8, **SMALL_BLOCKS))
 
 

@@ -79,7 +79,9 @@ def on_files(files: Files, config: Any) -> Files:
         files.append(source_file)
         _SOURCE_URLS[path.as_posix()] = source_file.url
     for name in _modules():
-        page = f"# `{name}`\n\n::: {name}\n"
+        # The heading's id is the module's dotted name, so ``[text][nanoengine.serial_utils]``
+        # links the module itself (the mkdocstrings root heading, hidden here, would not).
+        page = f"# `{name}` {{ #{name} }}\n\n::: {name}\n"
         files.append(File.generated(config, f"{REFERENCE_DIR}/{name}.md", content=page))
     return files
 

@@ -102,7 +102,7 @@ class KVCacheManager(TreeNode):
         are *not* claimed yet; ``allocate_slots`` takes them along with the new
         ones, so a request that cannot be admitted leaves the cache untouched.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return KVCacheBlocks(), 0
         # Even a fully cached prompt must run at least its last token through the
         # model: the logits that sample the next token come from that forward

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanoengine.logprobs import LogprobsLists
 from nanoengine.sampling_params import SamplingParams
 
 
@@ -90,6 +91,11 @@ class EngineCoreOutput:
     events: list[EngineCoreEvent] | None = None
     # Prompt tokens whose KV a KV connector loaded (chapter 5).
     num_external_computed_tokens: int = 0
+    # Chapter 8: one row per token of new_token_ids, when the request asked for
+    # logprobs; plain lists, so msgpack carries them between processes.
+    new_logprobs: LogprobsLists | None = None
+    # One row per prompt token after the first; only in the request's first output.
+    new_prompt_logprobs: LogprobsLists | None = None
 
     @property
     def finished(self) -> bool:

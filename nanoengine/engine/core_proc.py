@@ -251,6 +251,9 @@ class EngineCoreProc(EngineCore):
 
 
 def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
+    # Once is enough: a second SIGTERM (the parent-death watch, say) must not
+    # interrupt the exit that the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(0)
 
 

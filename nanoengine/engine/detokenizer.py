@@ -28,6 +28,12 @@ class IncrementalDetokenizer:
         # keeps the few-token window needed to emit whole UTF-8 characters.
         self._backend = tokenizer._tokenizer if params.detokenize else None
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        # While the request runs, its outputs hold back the last characters that
+        # could still be the start of a stop string (chapter 8): once matched it
+        # is cut from the text, and a streamed piece cannot be taken back.
+        cut_at_stop = self.stop_strings and not params.include_stop_str_in_output
+        self.stop_buffer_length = max(map(len, self.stop_strings)) - 1 if cut_at_stop else 0
+        self._num_chars_sent = 0  # how much text DELTA outputs have carried so far
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Add tokens; return the stop string that ended the text, if one did.
@@ -46,6 +52,17 @@ class IncrementalDetokenizer:
             if stop is not None:
                 return stop
         return None
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """The text of the next RequestOutput: everything so far, or with ``delta``
+        only what the previous call did not return.
+        """
+        end = len(self.output_text) if finished else max(len(self.output_text) - self.stop_buffer_length, 0)
+        if not delta:
+            return self.output_text[:end]
+        start = self._num_chars_sent
+        self._num_chars_sent = max(end, start)
+        return self.output_text[start:end]
 
     def _find_stop_string(self, new_text_start: int) -> str | None:
         """Search only where a match could newly appear: a stop string may start

@@ -46,6 +46,7 @@ class InputProcessor(TreeNode):
             # N+1's logits, but async scheduling launches step N+1 before that
             # token is known (chapter 7).
             raise ValueError("structured_outputs cannot be combined with async_scheduling=True.")
+        self._validate_params(params)
         prompt_ids = rendered["prompt_token_ids"]
         self._validate_prompt(prompt_ids)
         params = params.clone()
@@ -58,6 +59,20 @@ class InputProcessor(TreeNode):
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
         )
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids and counts against the vocabulary."""
+        vocab = self.model_config.vocab_size
+        for token_id in params.logit_bias or {}:
+            if not 0 <= token_id < vocab:
+                raise ValueError(
+                    f"logit_bias token id {token_id} is out of vocabulary (vocab size {vocab}, "
+                    f"valid ids are 0..{vocab - 1})."
+                )
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(params, name)
+            if count is not None and count > vocab:
+                raise ValueError(f"{name}={count} asks for more tokens than the vocabulary has ({vocab}).")
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
         max_len = self.model_config.max_model_len

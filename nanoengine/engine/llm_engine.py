@@ -89,6 +89,9 @@ class LLMEngine(TreeNode):
             raise ValueError(f"Request id {request_id!r} is already in use by a live request.")
         if streaming and params.n != 1:
             raise ValueError(f"Streaming input supports n=1 only, got n={params.n}.")
+        if streaming and params.prompt_logprobs is not None:
+            # The prompt's last token is unknown until the input closes (chapter 8).
+            raise ValueError("prompt_logprobs cannot be combined with streaming input.")
         priority = priority or params.priority
         core_requests = [
             self.input_processor.process_inputs(

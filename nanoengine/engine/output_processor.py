@@ -3,6 +3,11 @@
 Chapter 7 (``generate(...)``) ends each step here: new token ids are detokenized,
 stop strings are checked (a match asks the engine core to abort the request),
 and the ``n`` samples of one prompt are gathered into one RequestOutput.
+Chapter 8 adds logprobs (engine/logprobs.py) and the three output kinds of
+``SamplingParams.output_kind``: CUMULATIVE (every output holds all samples and
+everything so far), DELTA (only the samples that moved this step, each with
+only its new tokens and text: a server streams these) and FINAL_ONLY (one
+output, when every sample is done; ``LLM.generate`` asks for this).
 vLLM 0.32 counterpart: ``vllm/v1/engine/output_processor.py`` (``OutputProcessor``,
 ``RequestState``) and ``vllm/v1/engine/parallel_sampling.py`` (``ParentRequest``).
 """
@@ -15,7 +20,10 @@ from typing import Any
 
 from nanoengine.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from nanoengine.engine.detokenizer import IncrementalDetokenizer
+from nanoengine.engine.logprobs import LogprobsProcessor
+from nanoengine.logprobs import PromptLogprobs
 from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoengine.sampling_params import RequestOutputKind
 from nanoengine.utils.component_tree import TreeNode
 
 
@@ -27,17 +35,29 @@ class RequestState:
     parent: ParentRequest
     index: int  # which of the parent's n samples this is
     detokenizer: IncrementalDetokenizer
+    logprobs_processor: LogprobsProcessor
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    # DELTA: how many tokens the earlier outputs carried.
+    num_tokens_sent: int = 0
 
     def completion(self) -> CompletionOutput:
+        """This sample's part of the next RequestOutput: all of it, or only what is new."""
+        delta = self.output_kind is RequestOutputKind.DELTA
+        start = self.num_tokens_sent if delta else 0
+        self.num_tokens_sent = len(self.token_ids)
+        logprobs = self.logprobs_processor.logprobs
         return CompletionOutput(
             index=self.index,
-            text=self.detokenizer.output_text,
-            token_ids=list(self.token_ids),
+            text=self.detokenizer.get_next_output_text(self.finish_reason is not None, delta),
+            token_ids=self.token_ids[start:],
             finish_reason=str(self.finish_reason) if self.finish_reason is not None else None,
             stop_reason=self.stop_reason,
+            cumulative_logprob=self.logprobs_processor.cumulative_logprob,
+            # A slice either way: an output never shares a list the next step extends.
+            logprobs=None if logprobs is None else logprobs[start:],
         )
 
 
@@ -53,23 +73,48 @@ class ParentRequest:
     num_cached_tokens: int = 0
     num_external_computed_tokens: int = 0
     finish_message: str | None = None
+    # From the first sample to report them (every sample scores the same prompt).
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
         return all(child.finish_reason is not None for child in self.children)
 
-    def make_output(self) -> RequestOutput:
+    @property
+    def output_kind(self) -> RequestOutputKind:
+        """The samples' params are copies of the user's, so they share one kind."""
+        return self.children[0].output_kind
+
+    def make_output(self, moved: list[RequestState]) -> RequestOutput | None:
+        """The RequestOutput for this step, given the samples that ``moved``; None
+        while a FINAL_ONLY request runs.
+        """
+        kind = self.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
+        children = moved if kind is RequestOutputKind.DELTA else self.children
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[child.completion() for child in self.children],
+            outputs=[child.completion() for child in children],
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
             finish_message=self.finish_message,
             num_external_computed_tokens=self.num_external_computed_tokens,
+            prompt_logprobs=self._prompt_logprobs_for_output(),
         )
+
+    def _prompt_logprobs_for_output(self) -> PromptLogprobs | None:
+        """DELTA outputs carry the prompt's logprobs once, in the first output that has them."""
+        if self.output_kind is not RequestOutputKind.DELTA:
+            return self.prompt_logprobs
+        if self.prompt_logprobs_sent:
+            return None
+        self.prompt_logprobs_sent = self.prompt_logprobs is not None
+        return self.prompt_logprobs
 
 
 @dataclass
@@ -99,6 +144,8 @@ class OutputProcessor(TreeNode):
             parent=parent,
             index=index,
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.sampling_params),
+            logprobs_processor=LogprobsProcessor(self.tokenizer, request.sampling_params),
+            output_kind=request.sampling_params.output_kind,
         )
         parent.children.append(state)
         self.request_states[request.request_id] = state
@@ -111,8 +158,9 @@ class OutputProcessor(TreeNode):
         return len(self.parents)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
-        """Fold one step's outputs in; one RequestOutput per touched parent."""
+        """Fold one step's outputs in; at most one RequestOutput per touched parent."""
         touched: dict[str, ParentRequest] = {}
+        moved: dict[str, list[RequestState]] = {}  # parent id -> its samples with news
         reqs_to_abort: list[str] = []
         now = time.monotonic()
         for output in outputs:
@@ -126,6 +174,9 @@ class OutputProcessor(TreeNode):
                 parent.num_external_computed_tokens, output.num_external_computed_tokens
             )
             state.token_ids.extend(output.new_token_ids)
+            state.logprobs_processor.update_from_output(output.new_logprobs, output.new_prompt_logprobs)
+            if parent.prompt_logprobs is None:
+                parent.prompt_logprobs = state.logprobs_processor.prompt_logprobs
             stop_string = state.detokenizer.update(output.new_token_ids)
             if stop_string is not None and output.finish_reason is None:
                 # The text matched a stop string the engine core cannot see.
@@ -135,11 +186,16 @@ class OutputProcessor(TreeNode):
                 state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
                 parent.finish_message = parent.finish_message or output.finish_message
             touched[parent.request_id] = parent
+            moved.setdefault(parent.request_id, []).append(state)
+        request_outputs: list[RequestOutput] = []
         for parent in touched.values():
             if parent.finished:
                 parent.metrics.record_finished(now)
                 self._forget(parent)
-        return OutputProcessorOutput([p.make_output() for p in touched.values()], reqs_to_abort)
+            request_output = parent.make_output(moved[parent.request_id])
+            if request_output is not None:
+                request_outputs.append(request_output)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget user requests (parent ids); return their engine-core ids."""

@@ -18,7 +18,7 @@ from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.outputs import RequestOutput
 from nanoengine.renderers.hf import ChatMessage, PromptType, RenderedPrompt
-from nanoengine.sampling_params import SamplingParams
+from nanoengine.sampling_params import RequestOutputKind, SamplingParams
 from nanoengine.trace import EngineTrace
 from nanoengine.utils.component_tree import TreeNode
 
@@ -108,7 +108,7 @@ class LLM(TreeNode):
         try:
             for prompt, params, prio in zip(rendered, params_list, priorities):
                 request_id = str(next(self._request_counter))
-                self.llm_engine.add_rendered_request(request_id, prompt, params, priority=prio)
+                self.llm_engine.add_rendered_request(request_id, prompt, _final_only(params), priority=prio)
                 added.append(request_id)
         except (ValueError, TypeError):
             self.llm_engine.abort_request(added)
@@ -155,6 +155,18 @@ def _broadcast(name: str, value: SamplingParams | Sequence[SamplingParams], coun
     if len(values) != count:
         raise ValueError(f"{name} has {len(values)} entries for {count} prompts; give one or one per prompt.")
     return values
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """A copy that asks for one output per request, at the end: ``_run_engine`` keeps
+    nothing else, so per-step outputs would be built only to be dropped. (vLLM's
+    ``LLM`` sets the user's own object to FINAL_ONLY; a copy leaves it as given.)
+    """
+    if params.output_kind is RequestOutputKind.FINAL_ONLY:
+        return params
+    copy = params.clone()
+    copy.output_kind = RequestOutputKind.FINAL_ONLY
+    return copy
 
 
 def _progress_bar(total: int) -> Any:

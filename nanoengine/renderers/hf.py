@@ -10,21 +10,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
+# Re-exported: code written before nanoengine/inputs.py imports them from here.
+from nanoengine.inputs import PromptType, TextPrompt, TokensPrompt
 from nanoengine.utils.component_tree import TreeNode
 
+__all__ = ["ChatMessage", "HfRenderer", "PromptType", "RenderedPrompt", "TextPrompt", "TokensPrompt"]
 
-class TextPrompt(TypedDict, total=False):
-    prompt: str
-
-
-class TokensPrompt(TypedDict, total=False):
-    prompt_token_ids: list[int]
-    prompt: str  # optional: the text the ids came from, echoed in RequestOutput
-
-
-# What generate() accepts for one prompt, as in vLLM.
-PromptType = str | TextPrompt | TokensPrompt
 ChatMessage = Mapping[str, Any]
+# The roles of OpenAI's chat API that a chat template can be expected to know.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class RenderedPrompt(TypedDict):
@@ -65,8 +59,7 @@ class HfRenderer(TreeNode):
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> RenderedPrompt:
         """Apply the chat template; the result is a text prompt plus its ids."""
-        if not messages:
-            raise ValueError("A chat conversation needs at least one message, got [].")
+        validate_chat_messages(messages)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("This model's tokenizer has no chat template; use generate() with plain text.")
         text = self.tokenizer.apply_chat_template(
@@ -81,3 +74,33 @@ class HfRenderer(TreeNode):
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
+
+
+def validate_chat_messages(messages: Sequence[ChatMessage]) -> None:
+    """Reject a conversation the chat template would render wrongly or fail on.
+
+    A template reads ``message['role']`` and ``message['content']`` with no
+    checks of its own: a missing role renders as an empty string and a list
+    where text belongs renders as its Python repr, so the model would silently
+    see a garbled prompt. Every problem is a ValueError, even a wrong type: it
+    is a malformed request, which a server answers with 400 (chapter 8).
+    """
+    if not messages:
+        raise ValueError("A chat conversation needs at least one message, got [].")
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(  # noqa: TRY004 (a malformed request, see above)
+                f"Chat message {index} must be a dict with 'role' and 'content', got {message!r:.80}."
+            )
+        if "role" not in message:
+            raise ValueError(f"Chat message {index} has no 'role' (one of {', '.join(CHAT_ROLES)}).")
+        if message["role"] not in CHAT_ROLES:
+            raise ValueError(
+                f"Chat message {index} has an unknown role {message['role']!r}; "
+                f"known roles: {', '.join(CHAT_ROLES)}."
+            )
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise ValueError(  # noqa: TRY004 (a malformed request, see above)
+                f"Chat message {index} content must be a str, got {type(content).__name__}."
+            )

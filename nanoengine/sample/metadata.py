@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoengine.sample.penalties import PenaltyInputs
+
 
 @dataclass
 class SamplingMetadata:
@@ -30,3 +32,10 @@ class SamplingMetadata:
     default_generator: torch.Generator | None = None
     # row -> token ids that must not be sampled yet (EOS/stop ids before min_tokens).
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # row -> {token id: bias} added to its logits (OpenAI logit_bias).
+    logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
+    # None unless some row has a non-neutral penalty: the common case pays nothing.
+    penalties: PenaltyInputs | None = None
+    min_p: torch.Tensor | None = None  # [num_rows] float32; None: no row asks
+    # The most top logprobs any row asks for; None: no row asks, no log_softmax.
+    max_num_logprobs: int | None = None

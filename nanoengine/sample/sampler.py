@@ -1,17 +1,27 @@
-"""The Sampler: fp32 logits in, one token id per row out.
+"""The Sampler: fp32 logits in, one token id per row out (and logprobs if asked).
 
-Chapter 7 (``sample_tokens``: the last step of an engine step).
-vLLM 0.32 counterpart: ``vllm/v1/sample/sampler.py`` (``Sampler``) and
+Chapter 7 (``sample_tokens``: the last step of an engine step); chapter 8 adds
+the OpenAI API's options (logit_bias, penalties, min_p, logprobs).
+vLLM 0.32 counterpart: ``vllm/v1/sample/sampler.py`` (``Sampler``),
 ``vllm/v1/sample/ops/topk_topp_sampler.py`` (``apply_top_k_top_p``,
-``random_sample``).
+``random_sample``) and the built-in logits processors of
+``vllm/v1/sample/logits_processor/builtin.py`` (min_tokens, logit_bias, min_p).
 
-Order of operations, per row:
+Order of operations, per row, as in vLLM:
 
-1. banned token ids -> -inf (stop ids before ``min_tokens`` is reached);
-2. greedy rows take the argmax of these logits; if *every* row is greedy, stop
+0. if any row asks for logprobs: log_softmax of the logits as they came in
+   (sample/logprobs.py), kept aside;
+1. banned token ids -> -inf (stop ids before ``min_tokens`` is reached), then
+   logit_bias added;
+2. repetition, frequency and presence penalties (sample/penalties.py);
+3. greedy rows take the argmax of these logits; if *every* row is greedy, stop
    here — no softmax, no sort, no random numbers;
-3. otherwise: divide by the temperature, keep the top-k logits, keep the top-p
-   nucleus, softmax, and draw with the exponential race.
+4. otherwise: divide by the temperature, drop tokens below min_p times the most
+   likely one's probability, keep the top-k logits, keep the top-p nucleus,
+   softmax, and draw with the exponential race;
+5. the sampled tokens' logprobs, ranks and the top candidates from step 0.
+
+Steps 0, 1 and 2 cost nothing for rows (and batches) that do not use them.
 
 The exponential race: if ``E_i ~ Exponential(1)`` independently, then
 ``argmax_i p_i / E_i`` is distributed exactly as ``Categorical(p)``. It samples
@@ -23,12 +33,22 @@ other requests happen to share the batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from nanoengine.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 from nanoengine.sample.metadata import SamplingMetadata
+from nanoengine.sample.penalties import apply_penalties
 
 _NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [N] int64
+    logprobs_tensors: LogprobsTensors | None  # None when no row asked for logprobs
 
 
 def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: dict[int, list[int]]) -> torch.Tensor:
@@ -41,9 +61,56 @@ def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: dict[int, list[i
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> torch.Tensor:
+    """A copy of logits [N, V] with each row's biases added, in one scatter."""
+    if not logit_bias:
+        return logits
+    rows = [row for row, biases in logit_bias.items() for _ in biases]
+    token_ids = [token_id for biases in logit_bias.values() for token_id in biases]
+    values = [bias for biases in logit_bias.values() for bias in biases.values()]
+    device = logits.device
+    return logits.index_put(
+        (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device)),
+        torch.tensor(values, dtype=logits.dtype, device=device),
+        accumulate=True,
+    )
+
+
+def apply_logit_bias_reference(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> torch.Tensor:
+    """``apply_logit_bias`` one entry at a time."""
+    result = logits.clone()
+    for row, biases in logit_bias.items():
+        for token_id, bias in biases.items():
+            result[row, token_id] += bias
+    return result
+
+
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N] int64: the most likely token of each row."""
     return logits.argmax(dim=-1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens of logits [N, V] less likely than ``min_p`` [N] times the row's top one.
+
+    The most likely token always stays; ``min_p = 0`` keeps the whole row. Applied
+    after the temperature, so "likely" means under the distribution being sampled.
+    """
+    probs = logits.softmax(dim=-1)  # [N, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(-1)  # [N, 1]
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_min_p_reference(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """``apply_min_p`` one row and one token at a time."""
+    result = logits.clone()
+    for row in range(logits.shape[0]):
+        probs = logits[row].softmax(dim=-1).tolist()
+        threshold = max(probs) * float(min_p[row])
+        for token_id, prob in enumerate(probs):
+            if prob < threshold:
+                result[row, token_id] = _NEG_INF
+    return result
 
 
 def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -115,9 +182,29 @@ def random_sample(
 class Sampler(nn.Module):
     """Samples one token per logits row according to SamplingMetadata."""
 
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """logits [N, V] fp32 -> token ids [N] int64."""
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """logits [N, V] fp32 -> token ids [N] int64, plus logprobs for rows that ask."""
+        num_logprobs = metadata.max_num_logprobs
+        # Before any processing: logprobs describe the model (vLLM's "raw_logprobs").
+        raw_logprobs = None if num_logprobs is None else compute_logprobs(logits)
+        logits = self.apply_logits_processors(logits, metadata)
+        sampled = self.sample(logits, metadata)
+        if raw_logprobs is None or num_logprobs is None:
+            return SamplerOutput(sampled, None)
+        return SamplerOutput(sampled, gather_logprobs(raw_logprobs, num_logprobs, sampled))
+
+    @staticmethod
+    def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The steps that may change which token is the argmax: bans, bias, penalties."""
         logits = apply_banned_tokens(logits, metadata.banned_token_ids)
+        logits = apply_logit_bias(logits, metadata.logit_bias)
+        if metadata.penalties is not None:
+            logits = apply_penalties(logits, metadata.penalties)
+        return logits
+
+    @staticmethod
+    def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows take the argmax; the others draw from their filtered distribution."""
         greedy = greedy_sample(logits)
         if metadata.all_greedy:
             return greedy
@@ -125,6 +212,8 @@ class Sampler(nn.Module):
         temperature = metadata.temperature.to(device=device, dtype=logits.dtype)
         # Greedy rows carry temperature 1.0, so this division is harmless for them.
         scaled = logits / temperature.unsqueeze(-1)
+        if metadata.min_p is not None:
+            scaled = apply_min_p(scaled, metadata.min_p.to(device=device, dtype=logits.dtype))
         filtered = apply_top_k_top_p(
             scaled,
             None if metadata.no_top_k else metadata.top_k.to(device),

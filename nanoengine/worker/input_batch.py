@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoengine.attention.backends.abstract import AttentionMetadata
+from nanoengine.logprobs import LogprobsLists
 from nanoengine.sampling_params import SamplingParams
 
 
@@ -36,10 +37,24 @@ class CachedRequestState:
     # A private random stream for seeded requests, kept across preemption so a
     # resumed request continues the same stream instead of restarting it.
     generator: torch.Generator | None = None
+    # prompt_logprobs (chapter 8, worker/prompt_logprobs.py): the rows scored by
+    # the prefill chunks so far, and whether they were sent. Like the generator,
+    # the flag outlives preemption: a resumed request must not send them again.
+    prompt_logprobs_rows: LogprobsLists = field(default_factory=LogprobsLists.empty)
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """What the penalties count: every token this worker sampled, the latest included."""
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass

@@ -3,7 +3,9 @@
 Chapter 7 (``generate(...)``) is this file: update the per-request states, flatten
 the scheduled tokens (worker/input_batch.py), run the model over the paged KV
 cache, take logits only where a token must be sampled, sample. Chapter 6 uses its
-``profile_run`` and ``initialize_kv_cache``.
+``profile_run`` and ``initialize_kv_cache``; chapter 8 adds logprobs, and logits
+at the prompt positions of requests that ask for prompt_logprobs
+(worker/prompt_logprobs.py).
 vLLM 0.32 counterpart: ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner``:
 ``_update_states``, ``_prepare_inputs``, ``execute_model``, ``sample_tokens``,
 ``profile_run``, ``initialize_kv_cache``).
@@ -33,11 +35,14 @@ from nanoengine.core.sched.output import (
 )
 from nanoengine.distributed.kv_transfer.worker_side import SharedStorageConnectorWorker
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from nanoengine.logprobs import LogprobsLists
 from nanoengine.model_executor.custom_op import enable_cpu_kernels
 from nanoengine.model_executor.layers.cpu_linear import resolve_linear_backend
 from nanoengine.model_executor.model_loader import get_model
 from nanoengine.model_executor.models.llama import LlamaForCausalLM
+from nanoengine.sample.logprobs import LogprobsTensors
 from nanoengine.sample.metadata import SamplingMetadata
+from nanoengine.sample.penalties import PenaltyInputs, pad_token_ids
 from nanoengine.sample.sampler import Sampler
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.utils.component_tree import TreeNode
@@ -55,6 +60,12 @@ from nanoengine.worker.input_batch import (
     prepare_inputs,
 )
 from nanoengine.worker.page_advice import advise_no_huge_pages
+from nanoengine.worker.prompt_logprobs import (
+    PromptLogprobTargets,
+    collect_prompt_logprobs,
+    find_prompt_logprob_targets,
+    take_finished_prompt_logprobs,
+)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The profile run's dummy requests sample nothing, but a state needs parameters.
@@ -68,6 +79,10 @@ class _PendingSample:
     req_ids: list[str]  # every scheduled request, batch order
     sampling_req_ids: list[str]  # those that sample this step, logits row order
     logits: torch.Tensor  # [num_sampling_reqs, vocab_size] fp32
+    # prompt_logprobs (chapter 8): the prompt positions scored this step, if any,
+    # and their logits [num_targets, vocab_size].
+    prompt_targets: PromptLogprobTargets | None = None
+    prompt_logits: torch.Tensor | None = None
 
 
 class ModelRunner(TreeNode):
@@ -223,6 +238,7 @@ class ModelRunner(TreeNode):
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=previous.generator if previous else self._make_generator(new.sampling_params.seed),
+                prompt_logprobs_sent=previous.prompt_logprobs_sent if previous else False,
             )
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_blocks, num_computed, num_outputs in zip(
@@ -267,7 +283,12 @@ class ModelRunner(TreeNode):
         states = [self.requests[rid] for rid in req_ids]
         num_scheduled = [scheduler_output.num_scheduled_tokens[rid] for rid in req_ids]
         inputs = prepare_inputs(states, num_scheduled, self.block_size, self.device)
-        self._pending = _PendingSample(req_ids, inputs.sampling_req_ids, self._forward(inputs))
+        targets = find_prompt_logprob_targets(states, num_scheduled, inputs.attn_metadata.query_start_loc_cpu)
+        logits = self._forward(inputs, None if targets is None else targets.hidden_rows)
+        num_sampling = len(inputs.sampling_req_ids)
+        self._pending = _PendingSample(
+            req_ids, inputs.sampling_req_ids, logits[:num_sampling], targets, logits[num_sampling:]
+        )
         if self.kv_connector is not None and metadata:
             self.kv_connector.save_kv(metadata, self.kv_caches)  # the forward pass just wrote them
         # The scheduler already counted these tokens as computed (optimistically);
@@ -276,17 +297,25 @@ class ModelRunner(TreeNode):
             state.num_computed_tokens += n
         return None
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states for all tokens, logits only for the rows that sample."""
+    def _forward(self, inputs: StepInputs, prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states for all tokens, logits only where needed.
+
+        Returns [num_sampling_reqs + len(prompt_rows), vocab]: the rows that
+        sample, then the hidden-state rows ``prompt_rows`` that score prompt
+        tokens for prompt_logprobs (none in a normal step).
+        """
+        rows = inputs.logits_indices
+        if prompt_rows is not None:
+            rows = torch.cat([rows, prompt_rows.to(rows.device)])
         md = inputs.attn_metadata
         decision = self.dispatcher.dispatch(md.num_reqs, md.num_actual_tokens, md.block_table.shape[1])
         if decision.use_graph and self.cudagraph_runner is not None:
             padded = pad_decode_inputs(inputs, decision.padded_batch_size, self.max_blocks_per_req)
             # [padded, vocab]; the padding rows' logits are simply never indexed.
-            return self.cudagraph_runner.replay(padded)[inputs.logits_indices]
+            return self.cudagraph_runner.replay(padded)[rows]
         model = self._model()
         hidden = model(inputs.input_ids, inputs.positions, inputs.attn_metadata)  # [num_tokens, hidden]
-        return model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling_reqs, vocab]
+        return model.compute_logits(hidden[rows])
 
     @property
     def pending_logits(self) -> torch.Tensor | None:
@@ -304,15 +333,19 @@ class ModelRunner(TreeNode):
         logits = pending.logits
         if grammar_output is not None:
             logits = apply_grammar_bitmask(logits, pending.sampling_req_ids, grammar_output)
-        sampled = self.sampler(logits, self._sampling_metadata(states)).tolist()
+        if pending.prompt_targets is not None and pending.prompt_logits is not None:
+            collect_prompt_logprobs(self.requests, pending.prompt_targets, pending.prompt_logits)
+        sampler_output = self.sampler(logits, self._sampling_metadata(states))
         by_req: dict[str, list[int]] = {}
-        for state, token in zip(states, sampled):
+        for state, token in zip(states, sampler_output.sampled_token_ids.tolist()):
             state.token_ids.append(token)
             by_req[state.req_id] = [token]
         return ModelRunnerOutput(
             req_ids=pending.req_ids,
             sampled_token_ids=[by_req.get(rid, []) for rid in pending.req_ids],
             kv_connector_output=self._kv_connector_output(),
+            logprobs=_logprobs_by_request(states, sampler_output.logprobs_tensors),
+            prompt_logprobs_dict=take_finished_prompt_logprobs(states),
         )
 
     def _kv_connector_output(self) -> KVConnectorOutput | None:
@@ -342,12 +375,47 @@ class ModelRunner(TreeNode):
                 if s.num_output_tokens < s.sampling_params.min_tokens and s.sampling_params.all_stop_token_ids
             },
             default_generator=self.default_generator,
+            logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias},
+            penalties=_penalty_inputs(states, vocab),
+            min_p=torch.tensor([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None,
+            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
 
     def _model(self) -> LlamaForCausalLM:
         if self.model is None:
             raise RuntimeError("load_model() must run before the model is used.")
         return self.model
+
+
+def _penalty_inputs(states: list[CachedRequestState], vocab_size: int) -> PenaltyInputs | None:
+    """The penalties' per-row inputs, or None when every row's penalties are neutral."""
+    params = [s.sampling_params for s in states]
+    if all(_has_neutral_penalties(p) for p in params):
+        return None
+    return PenaltyInputs(
+        prompt_token_ids=pad_token_ids([s.prompt_token_ids for s in states], pad_id=vocab_size),
+        output_token_ids=pad_token_ids([s.output_token_ids for s in states], pad_id=vocab_size),
+        presence_penalties=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
+        frequency_penalties=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
+        repetition_penalties=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+    )
+
+
+def _has_neutral_penalties(params: SamplingParams) -> bool:
+    return params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
+
+
+def _logprobs_by_request(
+    states: list[CachedRequestState], tensors: LogprobsTensors | None
+) -> dict[str, LogprobsLists]:
+    """Row i of ``tensors`` belongs to ``states[i]``; each request keeps the top it asked for."""
+    if tensors is None:
+        return {}
+    return {
+        state.req_id: tensors.tolists(row, row + 1, state.sampling_params.logprobs)
+        for row, state in enumerate(states)
+        if state.sampling_params.logprobs is not None
+    }
 
 
 def apply_grammar_bitmask(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanoengine.distributed.kv_transfer import KVConnectorMetadata
+from nanoengine.logprobs import LogprobsLists
 from nanoengine.sampling_params import SamplingParams
 
 
@@ -109,6 +110,12 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     kv_connector_output: KVConnectorOutput | None = None
+    # Chapter 8. req_id -> one row per sampled token, only for requests that ask
+    # for logprobs (vLLM keeps one batch-wide LogprobsLists instead).
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # req_id -> one row per prompt token after the first, sent once, with the
+    # step that samples the request's first token.
+    prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
 
     def by_request(self) -> dict[str, list[int]]:
         return dict(zip(self.req_ids, self.sampled_token_ids))

@@ -401,7 +401,8 @@ class Scheduler(TreeNode):
         in ``schedule()``, around ``connector.get_num_new_matched_tokens``.)
         """
         assert self.connector is not None
-        if request.num_computed_tokens > 0:
+        # prompt_logprobs need every prompt position computed here, as with the prefix cache.
+        if request.num_computed_tokens > 0 or request.skip_reading_prefix_cache:
             return False
         num_external = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
         if num_external == 0:
@@ -455,7 +456,14 @@ class Scheduler(TreeNode):
                     stopped_waiting.append(request)
                 self._free_request(request)
             if new_token_ids or is_stopped:
-                outputs.append(make_engine_core_output(request, new_token_ids))
+                outputs.append(
+                    make_engine_core_output(
+                        request,
+                        new_token_ids,
+                        model_runner_output.logprobs.get(req_id),
+                        model_runner_output.prompt_logprobs_dict.get(req_id),
+                    )
+                )
         if stopped_running:
             self.running = [request for request in self.running if request not in stopped_running]
         if stopped_waiting:

@@ -17,6 +17,7 @@ from nanoengine.core.kv_cache_manager import KVCacheManager
 from nanoengine.core.sched.request_queue import SchedulingPolicy
 from nanoengine.engine import EngineCoreOutput
 from nanoengine.kv_cache_interface import KVCacheConfig
+from nanoengine.logprobs import LogprobsLists
 from nanoengine.request import Request, RequestStatus
 from nanoengine.utils.math_utils import cdiv
 
@@ -144,8 +145,19 @@ def why_never_fits(request: Request, max_model_len: int, kv_cache_manager: KVCac
     return None
 
 
-def make_engine_core_output(request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
-    """What the front end hears about ``request`` after a step."""
+def make_engine_core_output(
+    request: Request,
+    new_token_ids: list[int],
+    new_logprobs: LogprobsLists | None = None,
+    new_prompt_logprobs: LogprobsLists | None = None,
+) -> EngineCoreOutput:
+    """What the front end hears about ``request`` after a step.
+
+    ``new_logprobs`` may hold rows for tokens a stop condition dropped; only
+    those of ``new_token_ids`` are kept.
+    """
+    if new_logprobs is not None:
+        new_logprobs = new_logprobs.slice(0, len(new_token_ids))
     return EngineCoreOutput(
         request_id=request.request_id,
         new_token_ids=new_token_ids,
@@ -155,6 +167,8 @@ def make_engine_core_output(request: Request, new_token_ids: list[int]) -> Engin
         finish_message=request.finish_message,
         events=request.take_events(),
         num_external_computed_tokens=request.num_external_computed_tokens,
+        new_logprobs=new_logprobs,
+        new_prompt_logprobs=new_prompt_logprobs,
     )
 
 

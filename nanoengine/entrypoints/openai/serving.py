@@ -12,9 +12,9 @@ Chapter 8 (online serving). One handler per endpoint, all shaped alike:
    what is new since the previous one (the engine's outputs are cumulative),
    then ``data: [DONE]``.
 
-While a request streams, text that might be the start of a stop string is
-held back until it is clear that it is not, so a client never receives the
-first half of a stop string the engine then cuts away.
+While a request streams, the detokenizer holds back text that might be the
+start of a stop string until it is clear that it is not, so a client never
+receives the first half of a stop string the engine then cuts away.
 
 vLLM 0.32 counterpart: ``vllm/entrypoints/openai/completion/serving.py`` and
 ``vllm/entrypoints/openai/chat_completion/serving.py`` (``OpenAIServingCompletion``,
@@ -129,19 +129,16 @@ class OpenAIServing:
         n = request.n
         sent: dict[int, int] = {}  # choice index -> characters already sent
         finals: dict[int, RequestOutput] = {}
-        stop_strings = request.stop if isinstance(request.stop, list) else [request.stop] if request.stop else []
-        holdback = max((len(s) for s in stop_strings), default=1) - 1
         try:
             async for prompt_index, output in _merged(generators):
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
-                    end = len(completion.text) if completion.finish_reason else len(completion.text) - holdback
                     start = sent.get(index, 0)
-                    if end <= start and completion.finish_reason is None:
+                    if len(completion.text) <= start and completion.finish_reason is None:
                         continue
-                    sent[index] = max(end, start)
+                    sent[index] = max(len(completion.text), start)
                     chunk = make_chunk(request_id, self.served_model_name, index, completion,
-                                       completion.text[start:end], first=start == 0)
+                                       completion.text[start:], first=start == 0)
                     yield _sse(chunk)
                 if output.finished:
                     finals[prompt_index] = output
