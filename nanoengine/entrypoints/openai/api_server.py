@@ -52,6 +52,7 @@ from nanoengine.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
     TokenizeRequest,
+    conversation,
 )
 from nanoengine.entrypoints.openai.serving import OpenAIServing
 
@@ -133,8 +134,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     async def tokenize(body: TokenizeRequest) -> Response:
         try:
             if body.messages is not None:
-                ids = engine.renderer.render_chat([{"role": m.role, "content": m.text()} for m in body.messages])
-                tokens = ids["prompt_token_ids"]
+                tokens = engine.renderer.render_chat(conversation(body.messages))["prompt_token_ids"]
             else:
                 tokens = list(engine.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens))
         except (ValueError, TypeError) as error:

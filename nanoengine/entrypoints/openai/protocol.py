@@ -147,6 +147,11 @@ class ChatMessage(OpenAIModel):
         return "".join(parts)
 
 
+def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template wants them: role and plain text."""
+    return [{"role": message.role, "content": message.text()} for message in messages]
+
+
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: a conversation to answer."""
 
@@ -161,7 +166,7 @@ class ChatCompletionRequest(SamplingFields):
         return SamplingParams(**self._sampling_kwargs(max_tokens, logprobs))
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": message.role, "content": message.text()} for message in self.messages]
+        return conversation(self.messages)
 
 
 class UsageInfo(OpenAIModel):
