@@ -31,7 +31,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).parent / "csrc" / "cpu"
-SOURCES = ("attention.cpp", "prefill_attention.cpp", "gemm.cpp", "layers.cpp", "bindings.cpp")
+SOURCES = ("attention.cpp", "prefill_attention.cpp", "gemm.cpp", "gemm_bf16.cpp", "layers.cpp", "bindings.cpp")
 # -march=native: the build is for this CPU only (its AVX-512, if any); the
 # module name carries a fingerprint of the CPU, so a cache directory shared
 # with another machine never hands it a binary built for different hardware.

@@ -204,15 +204,16 @@ def build_systems(args: argparse.Namespace, model_path: str) -> tuple[list[Syste
         "async_scheduling": args.async_scheduling,
         # Chapter 8: the engine core in a process of its own (same work, one socket hop per step).
         "multiprocess_mode": args.multiprocess,
+        "dtype": args.dtype,
     }
     if not args.skip_engine:
         systems.append(engine_system(model_path, engine_kwargs, args.threads))
     if not args.skip_hf:
-        systems.append(HFSystem(model_path, args.hf_batch))
+        systems.append(HFSystem(model_path, args.hf_batch, args.dtype))
     if args.vs_vllm:
         # The same scheduler limits and dtype; vLLM keeps its own defaults otherwise.
         vllm_kwargs = {
-            "dtype": "float32",
+            "dtype": args.dtype,
             "max_model_len": 2048,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -279,6 +280,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-batch", type=int, default=32, help="static batch size for HF generate")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="every system's dtype (weights, activations, KV cache); bfloat16 is what a CPU with bf16 runs",
+    )
     parser.add_argument("--prefix-caching", action="store_true", help="enable the engine's prefix cache")
     parser.add_argument(
         "--async-scheduling", action="store_true", help="the engine schedules step N+1 while step N runs"

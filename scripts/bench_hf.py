@@ -28,9 +28,9 @@ class HFSystem:
 
     name = "HF generate"
 
-    def __init__(self, model_path: str, batch_size: int) -> None:
+    def __init__(self, model_path: str, batch_size: int, dtype: str = "float32") -> None:
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, local_files_only=True
+            model_path, dtype=getattr(torch, dtype), local_files_only=True
         )
         self.model.eval()
         pad_id = self.model.generation_config.pad_token_id

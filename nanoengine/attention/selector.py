@@ -17,6 +17,9 @@ from nanoengine.attention.backends.torch_ref import TorchRefAttentionImpl
 from nanoengine.attention.layer import AttentionImpl
 
 BACKEND_NAMES = ("auto", "torch", "triton", "cpu")
+# The C++ attention, norm, RoPE and activation kernels read and write these
+# (bf16 widened to fp32 in registers; see csrc/cpu/ops.h).
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def triton_available() -> bool:
@@ -26,20 +29,20 @@ def triton_available() -> bool:
 
 def resolve_backend_name(requested: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
     """"auto" becomes "triton" on CUDA when Triton is installed, "cpu" on a CPU
-    when the C++ kernels build (fp32 only), else the "torch" reference.
+    when the C++ kernels build (fp32 or bf16), else the "torch" reference.
     """
     if requested not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {requested!r}.")
     if requested == "auto":
         if device.type == "cuda":
             return "triton" if triton_available() else "torch"
-        use_cpu_kernels = device.type == "cpu" and dtype == torch.float32 and cpu_ops_available()
+        use_cpu_kernels = device.type == "cpu" and dtype in CPU_KERNEL_DTYPES and cpu_ops_available()
         return "cpu" if use_cpu_kernels else "torch"
     if requested == "triton" and not triton_available():
         raise ValueError("attention_backend='triton' needs the triton package: pip install -e '.[triton]'.")
-    if requested == "cpu" and (device.type != "cpu" or dtype != torch.float32):
+    if requested == "cpu" and (device.type != "cpu" or dtype not in CPU_KERNEL_DTYPES):
         raise ValueError(
-            f"attention_backend='cpu' runs on a CPU in float32; got device={device.type}, dtype={dtype}."
+            f"attention_backend='cpu' runs on a CPU in float32 or bfloat16; got device={device.type}, dtype={dtype}."
         )
     if requested == "cpu" and not cpu_ops_available():
         raise ValueError("attention_backend='cpu' needs the C++ kernels, which failed to build (see the warning).")

@@ -26,10 +26,11 @@ from nanoengine.config import (
 )
 from nanoengine.model_executor.layers.cpu_linear import LINEAR_BACKENDS
 from nanoengine.model_executor.models.registry import get_model_class
+from nanoengine.platforms.cpu import default_cpu_dtype
 from nanoengine.transformers_utils.config import get_hf_config, resolve_model_path, trained_context_len
 
-# The dtypes a user may name; "auto" picks fp32 on CPU (this kind of CPU has no
-# fast bf16) and bf16 on CUDA.
+# The dtypes a user may name; "auto" picks bf16 on CUDA and on a CPU with bf16
+# dot products, fp32 on other CPUs (nanoengine/platforms/cpu.py).
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -271,7 +272,7 @@ def _resolve_block_size(block_size: int | None, device: str) -> int:
 
 def _resolve_dtype(dtype: str, device: str) -> str:
     if dtype == "auto":
-        return "float32" if device == "cpu" else "bfloat16"
+        return default_cpu_dtype() if device == "cpu" else "bfloat16"
     return dtype
 
 

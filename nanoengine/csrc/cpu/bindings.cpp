@@ -16,6 +16,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Causal attention of requests first_req.. over a paged KV cache", no_gil);
   m.def("pack_linear_weight", &pack_linear_weight, "[out, in] -> [ceil(out/32), in, 32] panels", no_gil);
   m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) with a weight from pack_linear_weight", no_gil);
+  m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16,
+        "bf16 [out, in] -> [ceil(out/32), K2/2, 32, 2] pairs of k (K2 = in rounded up to 32)", no_gil);
+  m.def("packed_linear_bf16", &packed_linear_bf16,
+        "bf16 x @ W^T (+ bias) with a weight from pack_linear_weight_bf16, on the named kernel", no_gil);
+  m.def("bf16_gemm_kernels", &bf16_gemm_kernels,
+        "The bf16 GEMM kernels this CPU runs, fastest first: 'amx', 'avx512_bf16' (may be empty)");
   m.def("packed_linear_has_wide_vectors", &packed_linear_has_wide_vectors,
         "Built for AVX-512 (32 vector registers), the register tiling the GEMM assumes");
   m.def("rms_norm", &rms_norm, "out = RMSNorm(input) * weight", no_gil);

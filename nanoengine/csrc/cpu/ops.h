@@ -8,6 +8,10 @@
 
 #include <torch/extension.h>
 
+#include <cstring>
+#include <string>
+#include <vector>
+
 // Paged attention (attention.cpp).
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
                        torch::Tensor value_cache, torch::Tensor slot_mapping);
@@ -20,11 +24,16 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
                              torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
                              torch::Tensor seq_lens, int64_t first_req, double scale);
 
-// Linear layers (gemm.cpp): pack a [out, in] weight once, then multiply by it.
+// Linear layers (gemm.cpp, and gemm_bf16.cpp for bf16 weights): pack a
+// [out, in] weight once, then multiply by it.
 torch::Tensor pack_linear_weight(torch::Tensor weight);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                             int64_t out_features);
 bool packed_linear_has_wide_vectors();
+torch::Tensor pack_linear_weight_bf16(torch::Tensor weight);
+torch::Tensor packed_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                                 int64_t out_features, const std::string& kernel);
+std::vector<std::string> bf16_gemm_kernels();
 
 // Decoder-layer pieces (layers.cpp).
 void rms_norm(torch::Tensor out, torch::Tensor input, torch::Tensor weight, double eps);
@@ -45,14 +54,76 @@ constexpr int kLanes = 16;
 
 inline FloatVec load_vec(const float* p) { return *reinterpret_cast<const FloatVec*>(p); }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+inline void check_float_contiguous(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// ---- bf16 ----------------------------------------------------------------
+// A bf16 number is the top 16 bits of an fp32 one: same sign and exponent,
+// 7 mantissa bits instead of 23. Widening is a shift; narrowing rounds the
+// dropped 16 bits to nearest, ties to even (what torch's .to(bfloat16) does).
+// Every kernel reads bf16, computes in fp32 registers, and rounds once when it
+// writes: bf16 halves the bytes streamed from memory, not the precision of the
+// arithmetic.
+using BFloat16 = c10::BFloat16;
+
+typedef uint16_t Bf16x16 __attribute__((vector_size(32), aligned(2)));  // 16 bf16 lanes
+typedef uint32_t UIntVec __attribute__((vector_size(64)));               // 16 x 32 bits
+
+inline FloatVec widen(Bf16x16 h) { return (FloatVec)(__builtin_convertvector(h, UIntVec) << 16); }
+
+inline Bf16x16 narrow(FloatVec v) {
+  const UIntVec bits = (UIntVec)v;
+  // Adding 0x7FFF, plus 1 when the kept part is odd, carries into bit 16
+  // exactly when the dropped half is above (or at, for an odd kept part) 0x8000.
+  return __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, Bf16x16);
+}
+
+// Loads and stores of 16 lanes from either element type, so one kernel
+// template serves fp32 and bf16 tensors.
+inline FloatVec load_vec(const BFloat16* p) { return widen(*reinterpret_cast<const Bf16x16*>(p)); }
+inline void store_vec(float* p, FloatVec v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store_vec(BFloat16* p, FloatVec v) {
+  const Bf16x16 h = narrow(v);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// The same, one number at a time (tails, scalars).
+inline float to_float(float x) { return x; }
+inline float to_float(BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline void store_scalar(float* p, float v) { *p = v; }
+inline void store_scalar(BFloat16* p, float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  p->x = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+template <typename T>
+inline float dot(const T* a, const T* b, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) sum += to_float(a[i]) * to_float(b[i]);
   return sum;
 }
 
-inline void check_float_contiguous(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
+// Activation tensors are fp32 or bf16 (the model's dtype). Calls
+// body(scalar_t{}) with scalar_t = float or BFloat16; the body is a generic
+// lambda that names the type as `using scalar_t = decltype(zero);`.
+template <typename Body>
+auto dispatch_float_bf16(torch::ScalarType type, const char* name, Body body) {
+  if (type == torch::kFloat32) return body(float{});
+  TORCH_CHECK(type == torch::kBFloat16, name, ": float32 or bfloat16 expected, got ", type);
+  return body(BFloat16{});
+}
+
+// A contiguous tensor of the dispatched element type (float or BFloat16).
+inline void check_contiguous_as(const torch::Tensor& t, torch::ScalarType type, const char* name) {
+  TORCH_CHECK(t.scalar_type() == type, name, " must be ", type, ", got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }

@@ -34,9 +34,11 @@ inline float exp_and_sum(float* p, int64_t len, float max_score) {
   return sum;
 }
 
-// One KV head's rows of one request, seen through its block table.
+// One KV head's rows of one request, seen through its block table. T is the
+// cache's element type: float, or BFloat16 (half the bytes to read).
+template <typename T>
 struct PagedRows {
-  const float* base;  // this KV head's slice of token 0 of block 0
+  const T* base;  // this KV head's slice of token 0 of block 0
   const int32_t* blocks;
   int64_t block_size, row_stride, len;
 };
@@ -48,19 +50,19 @@ struct PagedRows {
 constexpr int64_t kPrefetchBlocks = 2;
 
 // Calls visit(t, row) for t = 0 .. len-1 in order, where row points at token
-// t's `floats` floats, block by block, prefetching kPrefetchBlocks ahead.
-template <typename Visit>
-inline void for_each_row(const PagedRows& rows, int64_t floats, Visit visit) {
+// t's `width` elements, block by block, prefetching kPrefetchBlocks ahead.
+template <typename T, typename Visit>
+inline void for_each_row(const PagedRows<T>& rows, int64_t width, Visit visit) {
   const int64_t num_blocks = (rows.len + rows.block_size - 1) / rows.block_size;
   auto block_start = [&](int64_t i) { return rows.base + static_cast<int64_t>(rows.blocks[i]) * rows.block_size * rows.row_stride; };
   auto rows_in = [&](int64_t i) { return std::min(rows.block_size, rows.len - i * rows.block_size); };
   for (int64_t i = 0; i < num_blocks; ++i) {
     if (i + kPrefetchBlocks < num_blocks) {
-      const float* ahead = block_start(i + kPrefetchBlocks);
+      const T* ahead = block_start(i + kPrefetchBlocks);
       for (int64_t t = 0; t < rows_in(i + kPrefetchBlocks); ++t)
-        for (int64_t f = 0; f < floats; f += 64 / sizeof(float)) __builtin_prefetch(ahead + t * rows.row_stride + f);
+        for (int64_t f = 0; f < width; f += 64 / sizeof(T)) __builtin_prefetch(ahead + t * rows.row_stride + f);
     }
-    const float* block = block_start(i);
+    const T* block = block_start(i);
     for (int64_t t = 0; t < rows_in(i); ++t) visit(i * rows.block_size + t, block + t * rows.row_stride);
   }
 }

@@ -18,7 +18,8 @@
 // scratch K^T [head_dim, keys]: S's inner loop then loads 32 keys' values of
 // one dimension as two vectors and broadcasts one query value per row.
 // Softmax is two-pass (the whole score row of a tile fits in the scratch), so
-// no running-max rescaling is needed.
+// no running-max rescaling is needed. In bf16, K^T, scores and accumulators
+// are fp32; only the query, the cached rows and the output are bf16.
 #include "ops.h"
 #include "paged.h"
 
@@ -33,8 +34,8 @@ constexpr int64_t kKeyChunk = 2 * kLanes;  // keys per score tile: two vectors
 
 // s[r][j] = scale * q_r . k_j for j < num_keys (a multiple of kKeyChunk);
 // kt is K^T: dimension d of key j at kt[d * kt_stride + j].
-template <int ROWS>
-void score_tile(float* s, int64_t s_stride, const float* const* q_rows, const float* kt, int64_t kt_stride,
+template <int ROWS, typename T>
+void score_tile(float* s, int64_t s_stride, const T* const* q_rows, const float* kt, int64_t kt_stride,
                 int64_t head_dim, int64_t num_keys, float scale) {
   for (int64_t j = 0; j < num_keys; j += kKeyChunk) {
     FloatVec acc[ROWS][2];
@@ -42,8 +43,9 @@ void score_tile(float* s, int64_t s_stride, const float* const* q_rows, const fl
     for (int64_t d = 0; d < head_dim; ++d) {
       const FloatVec k0 = load_vec(kt + d * kt_stride + j), k1 = load_vec(kt + d * kt_stride + j + kLanes);
       for (int r = 0; r < ROWS; ++r) {
-        acc[r][0] += q_rows[r][d] * k0;
-        acc[r][1] += q_rows[r][d] * k1;
+        const float qd = to_float(q_rows[r][d]);
+        acc[r][0] += qd * k0;
+        acc[r][1] += qd * k1;
       }
     }
     for (int r = 0; r < ROWS; ++r) {
@@ -56,13 +58,13 @@ void score_tile(float* s, int64_t s_stride, const float* const* q_rows, const fl
 
 // out_r = inv_sum[r] * sum_j p[r][j] v_j over the first values.len keys, 32
 // output dimensions at a time (head_dim is a multiple of 32).
-template <int ROWS>
-void weighted_value_tile(float* const* out_rows, const float* p, int64_t p_stride, const PagedRows& values,
+template <int ROWS, typename T>
+void weighted_value_tile(T* const* out_rows, const float* p, int64_t p_stride, const PagedRows<T>& values,
                          int64_t head_dim, const float* inv_sum) {
   for (int64_t d = 0; d < head_dim; d += kKeyChunk) {
     FloatVec acc[ROWS][2];
     for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = FloatVec{};
-    for_each_row(values, head_dim, [&](int64_t j, const float* v) {
+    for_each_row(values, head_dim, [&](int64_t j, const T* v) {
       const FloatVec v0 = load_vec(v + d), v1 = load_vec(v + d + kLanes);
       for (int r = 0; r < ROWS; ++r) {
         const float w = p[r * p_stride + j];
@@ -71,52 +73,55 @@ void weighted_value_tile(float* const* out_rows, const float* p, int64_t p_strid
       }
     });
     for (int r = 0; r < ROWS; ++r) {
-      const FloatVec lo = acc[r][0] * inv_sum[r], hi = acc[r][1] * inv_sum[r];
-      std::memcpy(out_rows[r] + d, &lo, sizeof(lo));
-      std::memcpy(out_rows[r] + d + kLanes, &hi, sizeof(hi));
+      store_vec(out_rows[r] + d, acc[r][0] * inv_sum[r]);
+      store_vec(out_rows[r] + d + kLanes, acc[r][1] * inv_sum[r]);
     }
   }
 }
 
 // Both tile kernels for 1 .. kTileRows rows, indexed by rows - 1 (the last
-// tile of a request is usually partial).
+// tile of a request is usually partial), for element type T.
+template <typename T>
 struct TileKernels {
-  void (*scores)(float*, int64_t, const float* const*, const float*, int64_t, int64_t, int64_t, float);
-  void (*values)(float* const*, const float*, int64_t, const PagedRows&, int64_t, const float*);
+  void (*scores)(float*, int64_t, const T* const*, const float*, int64_t, int64_t, int64_t, float);
+  void (*values)(T* const*, const float*, int64_t, const PagedRows<T>&, int64_t, const float*);
 };
-template <int... Rows>
-constexpr std::array<TileKernels, sizeof...(Rows)> kernels_for(std::integer_sequence<int, Rows...>) {
-  return {TileKernels{&score_tile<Rows + 1>, &weighted_value_tile<Rows + 1>}...};
+template <typename T, int... Rows>
+constexpr std::array<TileKernels<T>, sizeof...(Rows)> kernels_for(std::integer_sequence<int, Rows...>) {
+  return {TileKernels<T>{&score_tile<Rows + 1, T>, &weighted_value_tile<Rows + 1, T>}...};
 }
-constexpr auto kKernels = kernels_for(std::make_integer_sequence<int, kTileRows>{});
+template <typename T>
+constexpr auto kKernels = kernels_for<T>(std::make_integer_sequence<int, kTileRows>{});
 
 // Everything one (request, KV head) work item reads.
+template <typename T>
 struct PrefillItem {
-  const float* query;  // this request's first query row, head 0
-  int64_t query_row_stride;  // floats between consecutive tokens' query rows
-  float* out;  // this request's first output row (contiguous [q_len, Hq, D])
+  const T* query;  // this request's first query row, head 0
+  int64_t query_row_stride;  // elements between consecutive tokens' query rows
+  T* out;  // this request's first output row (contiguous [q_len, Hq, D])
   int64_t first_head, group, num_heads, head_dim;
   int64_t q_len, num_context;  // query token i sits at position num_context + i
-  PagedRows keys, values;
+  PagedRows<T> keys, values;
 };
 
-void prefill_one_kv_head(const PrefillItem& item, float scale, std::vector<float>& scratch) {
+template <typename T>
+void prefill_one_kv_head(const PrefillItem<T>& item, float scale, std::vector<float>& scratch) {
   const int64_t dim = item.head_dim, seq_len = item.keys.len;
   const int64_t kt_stride = (seq_len + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
   // scratch = K^T [dim, kt_stride] followed by the scores [kTileRows, kt_stride].
   scratch.assign((dim + kTileRows) * kt_stride, 0.f);
   float* kt = scratch.data();
   float* scores = kt + dim * kt_stride;
-  for_each_row(item.keys, dim, [&](int64_t j, const float* k) {
-    for (int64_t d = 0; d < dim; ++d) kt[d * kt_stride + j] = k[d];
+  for_each_row(item.keys, dim, [&](int64_t j, const T* k) {
+    for (int64_t d = 0; d < dim; ++d) kt[d * kt_stride + j] = to_float(k[d]);
   });
   // Rows are (token, head) pairs, token-major, so a tile's last row has the
   // furthest causal limit and the tile needs keys up to that limit only.
   const int64_t total_rows = item.q_len * item.group;
   for (int64_t first = 0; first < total_rows; first += kTileRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kTileRows, total_rows - first));
-    const float* q_rows[kTileRows];
-    float* out_rows[kTileRows];
+    const T* q_rows[kTileRows];
+    T* out_rows[kTileRows];
     int64_t visible[kTileRows];  // keys row r may see: its position + 1
     for (int r = 0; r < rows; ++r) {
       const int64_t token = (first + r) / item.group, head = item.first_head + (first + r) % item.group;
@@ -126,7 +131,7 @@ void prefill_one_kv_head(const PrefillItem& item, float scale, std::vector<float
     }
     const int64_t num_keys = visible[rows - 1];
     const int64_t padded_keys = (num_keys + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
-    kKernels[rows - 1].scores(scores, kt_stride, q_rows, kt, kt_stride, dim, padded_keys, scale);
+    kKernels<T>[rows - 1].scores(scores, kt_stride, q_rows, kt, kt_stride, dim, padded_keys, scale);
     float inv_sum[kTileRows];
     for (int r = 0; r < rows; ++r) {
       float* p = scores + r * kt_stride;
@@ -134,9 +139,9 @@ void prefill_one_kv_head(const PrefillItem& item, float scale, std::vector<float
       inv_sum[r] = 1.f / exp_and_sum(p, visible[r], max_score);
       std::fill(p + visible[r], p + num_keys, 0.f);  // the causal mask: later keys weigh nothing
     }
-    PagedRows values = item.values;
+    PagedRows<T> values = item.values;
     values.len = num_keys;
-    kKernels[rows - 1].values(out_rows, scores, kt_stride, values, dim, inv_sum);
+    kKernels<T>[rows - 1].values(out_rows, scores, kt_stride, values, dim, inv_sum);
   }
 }
 
@@ -148,15 +153,12 @@ bool paged_prefill_supports(int64_t head_dim) { return head_dim > 0 && head_dim 
 // contiguous; requests first_req .. R-1 own rows query_start_loc[r] ..
 // query_start_loc[r+1]; seq_lens[r] counts their keys, this step's included
 // (already written to the cache). Rows of other requests are not touched.
+// query, out and the caches are all fp32 or all bf16.
 void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                              torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
                              torch::Tensor seq_lens, int64_t first_req, double scale) {
-  check_float_contiguous(out, "out");
-  check_float_contiguous(key_cache, "key_cache");
-  check_float_contiguous(value_cache, "value_cache");
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.dim() == 3 && query.stride(2) == 1 &&
-                  query.stride(1) == query.size(2),
-              "query must be float32 [tokens, heads, head_dim] with dense heads");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [tokens, heads, head_dim] with dense heads");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
               "block_table must be int32 with contiguous rows");
   TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
@@ -169,23 +171,33 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
-
-  // Work items: (request, KV head); cost ~ query rows x keys.
-  std::vector<PrefillItem> items;
-  std::vector<int64_t> cost;
-  for (int64_t r = first_req; r < num_reqs; ++r) {
-    const int64_t q_len = qsl[r + 1] - qsl[r], seq_len = lens[r];
-    if (q_len <= 0) continue;
-    const int32_t* blocks = table + r * block_table.stride(0);
-    for (int64_t g = 0; g < num_kv_heads; ++g) {
-      const PagedRows keys{key_cache.data_ptr<float>() + g * head_dim, blocks, block_size, row_stride, seq_len};
-      const PagedRows values{value_cache.data_ptr<float>() + g * head_dim, blocks, block_size, row_stride, seq_len};
-      items.push_back(PrefillItem{query.data_ptr<float>() + qsl[r] * query.stride(0), query.stride(0),
-                                  out.data_ptr<float>() + qsl[r] * num_heads * head_dim, g * group, group,
-                                  num_heads, head_dim, q_len, seq_len - q_len, keys, values});
-      cost.push_back(q_len * seq_len);
-    }
-  }
   const float fscale = static_cast<float>(scale);
-  run_longest_first(cost, [&](std::vector<float>& scratch, int64_t i) { prefill_one_kv_head(items[i], fscale, scratch); });
+
+  dispatch_float_bf16(query.scalar_type(), "paged_prefill_attention", [&](auto zero) {
+    using scalar_t = decltype(zero);
+    check_contiguous_as(out, query.scalar_type(), "out");
+    check_contiguous_as(key_cache, query.scalar_type(), "key_cache");
+    check_contiguous_as(value_cache, query.scalar_type(), "value_cache");
+    const scalar_t* kc = key_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = value_cache.data_ptr<scalar_t>();
+    // Work items: (request, KV head); cost ~ query rows x keys.
+    std::vector<PrefillItem<scalar_t>> items;
+    std::vector<int64_t> cost;
+    for (int64_t r = first_req; r < num_reqs; ++r) {
+      const int64_t q_len = qsl[r + 1] - qsl[r], seq_len = lens[r];
+      if (q_len <= 0) continue;
+      const int32_t* blocks = table + r * block_table.stride(0);
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        const PagedRows<scalar_t> keys{kc + g * head_dim, blocks, block_size, row_stride, seq_len};
+        const PagedRows<scalar_t> values{vc + g * head_dim, blocks, block_size, row_stride, seq_len};
+        items.push_back(PrefillItem<scalar_t>{query.data_ptr<scalar_t>() + qsl[r] * query.stride(0),
+                                              query.stride(0),
+                                              out.data_ptr<scalar_t>() + qsl[r] * num_heads * head_dim, g * group,
+                                              group, num_heads, head_dim, q_len, seq_len - q_len, keys, values});
+        cost.push_back(q_len * seq_len);
+      }
+    }
+    run_longest_first(cost,
+                      [&](std::vector<float>& scratch, int64_t i) { prefill_one_kv_head(items[i], fscale, scratch); });
+  });
 }

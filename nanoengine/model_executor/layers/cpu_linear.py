@@ -16,11 +16,13 @@ Two such paths exist (``linear_backend``):
 * ``"onednn"``: oneDNN's reorder and matmul, vLLM's choice. On the 2-core AMD
   EPYC these notes were measured on, ~470 GFLOP/s on a large fp32 product
   (``F.linear``: ~200), but only ~270 at the 32 rows of a decode batch.
-* ``"cpu"``: nanoengine's own kernel (``csrc/cpu/gemm.cpp``), written for
-  exactly that decode case: it prefetches the weight stream ahead of the
-  arithmetic and reaches ~400 GFLOP/s at 32 rows, ~460 on large products.
-  fp32 only; ``"auto"`` picks it on a CPU with AVX-512, the register file its
-  tiling assumes, and oneDNN elsewhere.
+* ``"cpu"``: nanoengine's own kernels, written for exactly that decode case:
+  they prefetch the weight stream ahead of the arithmetic. In fp32
+  (``csrc/cpu/gemm.cpp``) ~400 GFLOP/s at 32 rows, ~460 on large products;
+  ``"auto"`` picks it on a CPU with AVX-512, the register file its tiling
+  assumes. In bf16 (``csrc/cpu/gemm_bf16.cpp``) on AMX tiles or AVX-512 BF16
+  dot products, whichever the CPU has (AMX first: measured faster, chapter 7);
+  ``"auto"`` picks it wherever one of the two exists, and oneDNN elsewhere.
 
 The reference stays: ``linear_backend="torch"`` keeps ``F.linear`` everywhere,
 and the tests compare every path on the same weights. The results agree to
@@ -30,11 +32,14 @@ greedy tokens still match HF transformers token for token.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanoengine._custom_ops import cpu_ops_available, load_cpu_ops
+from nanoengine.platforms.cpu import cpu_bf16_features, warn_slow_bf16_once
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpu")
 # Dtypes oneDNN prepacks on a CPU without special hardware; others use F.linear.
@@ -55,8 +60,19 @@ def onednn_available() -> bool:
 
 
 def cpu_gemm_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """nanoengine's C++ GEMM can run here: a CPU, fp32, and the kernels built."""
-    return device.type == "cpu" and dtype == torch.float32 and cpu_ops_available()
+    """nanoengine's C++ GEMM can run here: a CPU, the kernels built, and fp32 or
+    (bf16 and a CPU with bf16 dot products)."""
+    if device.type != "cpu" or not cpu_ops_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(bf16_gemm_kernels())
+
+
+@functools.cache
+def bf16_gemm_kernels() -> tuple[str, ...]:
+    """The bf16 kernels of gemm_bf16.cpp this CPU runs, fastest first (() if none)."""
+    return tuple(load_cpu_ops().bf16_gemm_kernels()) if cpu_ops_available() else ()
 
 
 def resolve_linear_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -72,11 +88,14 @@ def resolve_linear_backend(requested: str, device: torch.device, dtype: torch.dt
         )
     if requested == "cpu" and not cpu_gemm_usable(device, dtype):
         raise ValueError(
-            f"linear_backend='cpu' needs a CPU device, dtype float32 and nanoengine's C++ kernels; "
+            f"linear_backend='cpu' needs a CPU device, nanoengine's C++ kernels and dtype float32, or "
+            f"bfloat16 on a CPU with AMX or avx512_bf16 ({cpu_bf16_features().describe()} here); "
             f"got device={device.type}, dtype={dtype}."
         )
     if requested != "auto":
         return requested
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_gemm_usable(device, dtype):
+        warn_slow_bf16_once()
     if cpu_gemm_usable(device, dtype) and load_cpu_ops().packed_linear_has_wide_vectors():
         return "cpu"
     return "onednn" if onednn_usable else "torch"
@@ -102,15 +121,32 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def cpu_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    """``x @ W^T + b`` with a weight from ``pack_linear_weight`` (csrc/cpu/gemm.cpp).
+def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> the panels of gemm.cpp (fp32) or gemm_bf16.cpp (bf16)."""
+    if weight.dtype == torch.bfloat16:
+        return load_cpu_ops().pack_linear_weight_bf16(weight.contiguous())
+    return load_cpu_ops().pack_linear_weight(weight.contiguous())
 
-    x [..., in] -> [..., out_features]; packed [ceil(out / 32), in, 32].
+
+def cpu_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    bf16_kernel: str | None = None,
+) -> torch.Tensor:
+    """``x @ W^T + b`` with a weight from ``pack_cpu_weight``.
+
+    x [..., in] -> [..., out_features]. fp32: packed [ceil(out / 32), in, 32];
+    bf16: packed [ceil(out / 32), K2 / 2, 32, 2], run on ``bf16_kernel``
+    (default: the first of ``bf16_gemm_kernels()``).
     """
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # [num_rows, in], dense rows
-    out = load_cpu_ops().packed_linear(rows, packed, bias, out_features)
+    if packed.dtype == torch.bfloat16:
+        kernel = bf16_kernel or bf16_gemm_kernels()[0]
+        out = load_cpu_ops().packed_linear_bf16(rows, packed, bias, out_features, kernel)
+    else:
+        out = load_cpu_ops().packed_linear(rows, packed, bias, out_features)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -125,6 +161,7 @@ class PackableLinear(nn.Module):
     bias: nn.Parameter | None
     backend: str = "torch"  # "torch" (plain weight), "onednn" or "cpu" (packed)
     out_features: int = 0  # set by pack(): a packed weight's shape no longer says it
+    bf16_kernel: str | None = None  # set by pack() for a bf16 weight on "cpu": "amx" or "avx512_bf16"
 
     @property
     def packed(self) -> bool:
@@ -141,16 +178,15 @@ class PackableLinear(nn.Module):
         if backend == "onednn":
             self.weight = pack_weight(weight)
         elif backend == "cpu":
-            self.weight = nn.Parameter(
-                load_cpu_ops().pack_linear_weight(weight.contiguous()), requires_grad=False
-            )
+            self.weight = nn.Parameter(pack_cpu_weight(weight), requires_grad=False)
+            self.bf16_kernel = bf16_gemm_kernels()[0] if weight.dtype == torch.bfloat16 else None
         else:
             raise ValueError(f"cannot pack a weight for linear_backend={backend!r}")
         self.backend = backend
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "cpu":
-            return cpu_linear(x, self.weight, self.bias, self.out_features)
+            return cpu_linear(x, self.weight, self.bias, self.out_features, self.bf16_kernel)
         if self.backend == "onednn":
             return onednn_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
