@@ -7,10 +7,11 @@ A decode step reads every weight once, whatever the batch size, and does
 
 1. per-step decode latency and decode throughput for a ladder of batch sizes
    (a plot too, if matplotlib is installed);
-2. the machine's two limits -- the fp32 GEMM roofline and the copy bandwidth --
-   and from them the batch size where decode turns from memory-bound into
-   compute-bound, here and on an H200 in bf16 (from its data-sheet figures);
-3. the share of the GEMM roofline each batch size reaches.
+2. the machine's limits -- the GEMM roofline in fp32 and in bf16, side by
+   side, and the copy bandwidth -- and from them the batch size where decode
+   turns from memory-bound into compute-bound, here in each dtype and on an
+   H200 in bf16 (from its data-sheet figures);
+3. the share of the GEMM roofline (in the engine's dtype) each batch size reaches.
 
 The largest batch the KV cache can hold is chapter 6's result
 (``engine_core.memory_report.max_concurrency``).
@@ -36,8 +37,11 @@ from chapters.roofline_math import (
     measure_memory_bandwidth,
 )
 from nanoengine import LLM, SamplingParams
+from nanoengine.platforms.cpu import cpu_bf16_features
 from nanoengine.renderers.hf import TokensPrompt
 
+# The two dtypes whose rooflines are measured, and what one weight costs to read in each.
+BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2}
 # H200 data-sheet figures: dense bf16 tensor-core FLOP/s and HBM3e bandwidth.
 H200_BF16_FLOPS = 989e12
 H200_BYTES_PER_S = 4.8e12
@@ -54,9 +58,11 @@ class BatchPoint:
 @dataclass
 class Ch02Result:
     points: list[BatchPoint]
-    roofline: Roofline
+    roofline: Roofline  # in the engine's dtype: what the shares are taken against
+    rooflines: dict[str, Roofline]  # "float32" and "bfloat16", measured side by side
     bandwidth_gb_s: float
-    cpu_crossover_batch: float  # batch where fp32 decode becomes compute-bound here
+    dtype: str  # the engine's dtype ("auto" resolved)
+    cpu_crossover_batch: dict[str, float]  # by dtype: batch where decode becomes compute-bound here
     gpu_crossover_batch: float  # the same for bf16 on an H200
     plot_path: str | None
 
@@ -134,16 +140,18 @@ def main(argv: list[str] | None = None) -> Ch02Result:
     sizes = [int(s) for s in args.batch_sizes.split(",")]
 
     console.rule("1. The machine's limits")
-    roofline = measure_gemm_roofline()
+    rooflines = {dtype: measure_gemm_roofline(dtype=dtype) for dtype in BYTES_PER_WEIGHT}
     bandwidth = measure_memory_bandwidth()
-    console.print(
-        f"fp32 GEMM roofline {roofline.gflops:.1f} GFLOP/s ({describe_matmul_paths(roofline)}); "
-        f"copy bandwidth {bandwidth:.1f} GB/s"
-    )
+    for dtype, measured in rooflines.items():
+        console.print(f"{dtype} GEMM roofline {measured.gflops:.1f} GFLOP/s ({describe_matmul_paths(measured)})")
+    console.print(f"copy bandwidth {bandwidth:.1f} GB/s; this CPU has {cpu_bf16_features().describe()}")
 
     llm = LLM(args.model, max_num_seqs=max(sizes), max_model_len=args.prompt_len + args.steps + 8,
               enable_prefix_caching=False)
-    hf_config = llm.llm_engine.engine_config.model_config.hf_config
+    model_config = llm.llm_engine.engine_config.model_config
+    hf_config, dtype = model_config.hf_config, model_config.dtype
+    roofline = rooflines[dtype]
+    console.print(f"the engine runs in {dtype} (dtype='auto'): shares below are of the {dtype} roofline")
     console.rule("2. Decode latency and throughput vs batch size")
     points = []
     for size in sizes:
@@ -155,18 +163,24 @@ def main(argv: list[str] | None = None) -> Ch02Result:
     plot = save_plot(points, args.plot) if args.plot else None
 
     console.rule("3. Memory-bound or compute-bound?")
-    cpu_cross = crossover_batch(roofline.gflops * 1e9, bandwidth * 1e9, 4)
+    cpu_cross = {
+        name: crossover_batch(measured.gflops * 1e9, bandwidth * 1e9, BYTES_PER_WEIGHT[name])
+        for name, measured in rooflines.items()
+    }
     gpu_cross = crossover_batch(H200_BF16_FLOPS, H200_BYTES_PER_S, 2)
+    here = "; ".join(
+        f"{name} ({BYTES_PER_WEIGHT[name]} bytes/weight) at batch ~{cross:.0f}" for name, cross in cpu_cross.items()
+    )
     console.print(
-        f"Here (fp32, 4 bytes/weight): reading the weights costs as much as the math at batch "
-        f"~{cpu_cross:.0f}. Above that a decode step is compute-bound: its time grows with the batch "
-        f"and tok/s flattens near the GEMM roofline -- which is what the table shows on a small CPU.\n"
+        f"Here, reading the weights costs as much as the math: {here}. Above that a decode step is "
+        f"compute-bound: its time grows with the batch and tok/s flattens near the GEMM roofline. bf16 "
+        f"halves the bytes per weight and, with bf16 dot products, raises the roofline, so both limits move.\n"
         f"H200 (bf16, 2 bytes/weight, {H200_BF16_FLOPS / 1e12:.0f} TFLOP/s, {H200_BYTES_PER_S / 1e12:.1f} TB/s): "
         f"the crossover is at batch ~{gpu_cross:.0f}. Below it a decode step costs about the same "
         "for 1 request or 100 -- memory-bound -- so batching is nearly free throughput, and the KV "
         "cache size (chapter 6) is what limits it."
     )
-    return Ch02Result(points, roofline, bandwidth, cpu_cross, gpu_cross, plot)
+    return Ch02Result(points, roofline, rooflines, bandwidth, dtype, cpu_cross, gpu_cross, plot)
 
 
 if __name__ == "__main__":

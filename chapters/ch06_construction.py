@@ -10,23 +10,31 @@ once (chapter 2). This walkthrough shows:
 
 1. each construction step, timed, on a real engine;
 2. the memory breakdown the engine kept (``engine_core.memory_report``);
-3. how the knob that sets the budget changes the block count and concurrency
+3. the dtype: which one ``dtype="auto"`` picked on this CPU and why, and fp32
+   against bf16 side by side -- weights, KV bytes per token and per block, and
+   the blocks, tokens and concurrency each buys at this engine's KV budget (the
+   engine's own dtype measured, the other computed from its parameter count and
+   its KV spec, with no second engine);
+4. how the knob that sets the budget changes the block count and concurrency
    -- computed with the engine's own sizing functions, and checked once
    against a second real engine;
-4. the error a budget too small for one ``max_model_len`` request gets.
+5. the error a budget too small for one ``max_model_len`` request gets.
 
-    python -m chapters.ch06_construction [--model DIR] [--max-model-len N]
+    python -m chapters.ch06_construction [--model DIR] [--max-model-len N] [--dtype D]
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
 from rich.table import Table
 
 from chapters._common import base_parser, console, construction_table, timed
 from nanoengine import LLM
-from nanoengine.core.kv_cache_sizing import get_kv_cache_config, max_concurrency
+from nanoengine.core.kv_cache_sizing import get_kv_cache_config, max_concurrency, num_blocks_from_budget
+from nanoengine.kv_cache_interface import KVCacheConfig
+from nanoengine.platforms.cpu import cpu_bf16_features, default_cpu_dtype
 from nanoengine.utils.mem_utils import format_bytes
 from nanoengine.worker.memory_report import MemoryReport, memory_table
 from nanoengine.worker.worker import available_ram_bytes
@@ -34,6 +42,22 @@ from nanoengine.worker.worker import available_ram_bytes
 CPU_FRACTIONS = (0.01, 0.05, 0.1, 0.2)
 GPU_UTILIZATIONS = (0.5, 0.7, 0.9)
 H200_BYTES = 141 * 10**9  # an H200's memory, for the what-if table
+COMPARED_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class DtypeRow:
+    """One dtype's memory: its weights, and what the engine's KV budget buys in it."""
+
+    dtype: str
+    element_bytes: int
+    weights_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    num_blocks: int
+    token_capacity: int  # tokens of KV the blocks hold, the null block left out
+    max_concurrency: float
+    measured: bool  # the engine's own dtype (measured), else computed
 
 
 @dataclass
@@ -41,6 +65,10 @@ class Ch06Result:
     timings: dict[str, float]
     num_blocks: int
     max_concurrency: float
+    device: str
+    engine_dtype: str  # what dtype= resolved to ("auto" -> bfloat16 or float32 on a CPU)
+    dtype_rows: list[DtypeRow]  # fp32 then bf16, at this engine's KV budget
+    kv_budget_bytes: int  # that budget
     # (knob value, KV bytes, blocks, concurrency) for each CPU fraction tried
     cpu_rows: list[tuple[float, int, int, float]]
     rebuilt_blocks: int  # blocks of a second engine built with one of those budgets
@@ -53,6 +81,82 @@ def _report(llm: LLM) -> MemoryReport:
     if report is None:
         raise RuntimeError("the engine kept no memory report")
     return report
+
+
+def auto_dtype(device: str) -> str:
+    """``dtype="auto"`` on ``device``: the rule of ``EngineArgs`` (``arg_utils._resolve_dtype``)."""
+    return default_cpu_dtype() if device == "cpu" else "bfloat16"
+
+
+def auto_dtype_reason(device: str) -> str:
+    """What ``dtype="auto"`` becomes on this device, and the hardware fact that decides it."""
+    if device != "cpu":
+        return f'dtype="auto" on {device} -> {auto_dtype(device)}'
+    features = cpu_bf16_features()
+    why = "bf16 matmuls run fast here" if features.fast_bf16 else "a bf16 matmul would widen to fp32 first: slower"
+    return f'dtype="auto" on this CPU -> {auto_dtype(device)}: the CPU has {features.describe()} ({why})'
+
+
+def dtype_rows(llm: LLM, report: MemoryReport, max_model_len: int) -> list[DtypeRow]:
+    """fp32 and bf16 at the KV budget this engine got.
+
+    The engine's own dtype is measured: the weights it holds, the blocks it
+    allocated. The other is computed with the same objects at another element
+    size: the engine's parameter count, and its KV spec with ``dtype_size``
+    swapped, through the block division the engine itself uses.
+    """
+    engine_dtype = llm.llm_engine.engine_config.model_config.dtype
+    runner = llm.llm_engine.engine_core.get_engine_core().model_executor.driver_worker.model_runner
+    if runner is None or runner.model is None:
+        raise RuntimeError("the engine has no loaded model")
+    num_parameters = sum(p.numel() for p in runner.model.parameters())
+    budget = report.profile.kv_cache_bytes
+    rows = []
+    for dtype in COMPARED_DTYPES:
+        element_bytes = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+        measured = dtype == engine_dtype
+        spec = replace(report.kv_cache_config.spec, dtype_size=element_bytes)
+        config = report.kv_cache_config if measured else KVCacheConfig(num_blocks_from_budget(budget, spec), spec)
+        rows.append(
+            DtypeRow(
+                dtype=dtype,
+                element_bytes=element_bytes,
+                weights_bytes=report.profile.weights_bytes if measured else num_parameters * element_bytes,
+                kv_bytes_per_token=spec.page_size_bytes // spec.block_size,
+                kv_bytes_per_block=spec.page_size_bytes,
+                num_blocks=config.num_blocks,
+                token_capacity=(config.num_blocks - 1) * spec.block_size,  # minus the null block
+                max_concurrency=max_concurrency(config, max_model_len),
+                measured=measured,
+            )
+        )
+    return rows
+
+
+def dtype_table(rows: list[DtypeRow], budget: int, max_model_len: int, auto_choice: str) -> Table:
+    """The rows side by side; "(auto)" marks the dtype ``dtype="auto"`` picks here."""
+    table = Table(title=f"fp32 against bf16 at this engine's KV budget of {format_bytes(budget)}")
+    columns = ("dtype", "bytes/number", "weights", "KV/token", "KV/block", "blocks", "tokens",
+               f"requests of {max_model_len} at once", "how")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("dtype", "how") else "right")
+    for row in rows:
+        table.add_row(
+            row.dtype + (" (auto)" if row.dtype == auto_choice else ""),
+            str(row.element_bytes),
+            format_bytes(row.weights_bytes),
+            format_bytes(row.kv_bytes_per_token),
+            format_bytes(row.kv_bytes_per_block),
+            str(row.num_blocks),
+            str(row.token_capacity),
+            f"{row.max_concurrency:.1f}",
+            "measured" if row.measured else "computed",
+        )
+    table.caption = (
+        "measured: this engine's weights and blocks. computed: its parameter count and KV spec at the other "
+        "bytes/number.\ntokens = (blocks - 1, the null block) x block size."
+    )
+    return table
 
 
 def cpu_knob_rows(report: MemoryReport, max_model_len: int) -> list[tuple[float, int, int, float]]:
@@ -101,8 +205,13 @@ def main(argv: list[str] | None = None) -> Ch06Result:
     parser = base_parser(__doc__ or "")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--dtype", default="auto", choices=("auto", *COMPARED_DTYPES))
     args = parser.parse_args(argv)
-    engine_kwargs = {"max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens}
+    engine_kwargs = {
+        "max_model_len": args.max_model_len,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "dtype": args.dtype,
+    }
 
     llm, seconds = timed(lambda: LLM(args.model, **engine_kwargs))
     console.rule("1. LLM(...) construction, step by step")
@@ -113,7 +222,14 @@ def main(argv: list[str] | None = None) -> Ch06Result:
     report = _report(llm)
     console.print(memory_table(report))
 
-    console.rule("3. The budget knob -> blocks -> concurrency")
+    console.rule("3. The dtype: what auto picked, and what fp32 and bf16 cost")
+    device = llm.llm_engine.engine_config.device_config.device
+    console.print(auto_dtype_reason(device))
+    console.print(f"this engine: dtype={args.dtype!r} -> {llm.llm_engine.engine_config.model_config.dtype}")
+    rows_by_dtype = dtype_rows(llm, report, args.max_model_len)
+    console.print(dtype_table(rows_by_dtype, report.profile.kv_cache_bytes, args.max_model_len, auto_dtype(device)))
+
+    console.rule("4. The budget knob -> blocks -> concurrency")
     rows = cpu_knob_rows(report, args.max_model_len)
     console.print(knob_table(rows, args.max_model_len))
     console.print(gpu_what_if_table(report, args.max_model_len))
@@ -123,7 +239,7 @@ def main(argv: list[str] | None = None) -> Ch06Result:
     rebuilt = _report(second).num_blocks
     console.print(f"a real engine with kv_cache_memory_bytes={budget}: {rebuilt} blocks (table: {predicted})")
 
-    console.rule("4. A budget too small for one max_model_len request")
+    console.rule("5. A budget too small for one max_model_len request")
     try:
         LLM(args.model, kv_cache_memory_bytes=report.kv_cache_config.spec.page_size_bytes, **engine_kwargs)
         message = ""
@@ -134,6 +250,10 @@ def main(argv: list[str] | None = None) -> Ch06Result:
         timings=dict(llm.llm_engine.engine_core.get_engine_core().startup_timings),
         num_blocks=report.num_blocks,
         max_concurrency=report.max_concurrency,
+        device=device,
+        engine_dtype=llm.llm_engine.engine_config.model_config.dtype,
+        dtype_rows=rows_by_dtype,
+        kv_budget_bytes=report.profile.kv_cache_bytes,
         cpu_rows=rows,
         rebuilt_blocks=rebuilt,
         predicted_blocks=predicted,

@@ -1,4 +1,4 @@
-"""The machine's fp32 matmul roofline, its memory bandwidth, and a model's share (chapter 2).
+"""The machine's matmul roofline (fp32 and bf16), its memory bandwidth, and a model's share (chapter 2).
 
 Used by ``python -m chapters.ch02_batching`` and by ``scripts/bench.py``.
 
@@ -10,7 +10,10 @@ plus attention's 4 * layers * hidden per cached token). Model FLOP/s achieved
 divided by the GEMM figure is the "roofline share" bench.py prints. The GEMM is
 measured through every path available: ``torch.mm``, a oneDNN-prepacked weight
 (vLLM's CPU path) and nanoengine's own packed GEMM (what its CPU linear layers
-take, ``csrc/cpu/gemm.cpp``); the fastest sets the roofline.
+take, ``csrc/cpu/gemm.cpp``, and in bf16 each kernel of ``gemm_bf16.cpp``);
+the fastest sets the roofline. A bf16 model's share is taken against the bf16
+roofline: bf16 dot products do twice the multiplies of fp32 per instruction
+(AMX tiles many more), so its peak is a different number.
 vLLM 0.32 counterpart: none in the engine; ``vllm/benchmarks`` reports only tok/s.
 """
 
@@ -24,11 +27,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from nanoengine._custom_ops import cpu_ops_available, load_cpu_ops
 from nanoengine.model_executor.layers.cpu_linear import (
+    bf16_gemm_kernels,
+    cpu_gemm_usable,
     cpu_linear,
     onednn_available,
     onednn_linear,
+    pack_cpu_weight,
     pack_weight,
 )
 
@@ -37,25 +42,26 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True)
 class Roofline:
-    gflops: float  # the best fp32 GEMM throughput measured, by either path
+    dtype: str  # "float32" or "bfloat16": the element type of every product measured
     size: int  # the square GEMM size it was measured on
     threads: int
-    torch_mm_gflops: float  # torch.mm, the path F.linear (and HF transformers) takes
-    onednn_gflops: float | None  # a oneDNN-prepacked weight (cpu_linear.py); None without oneDNN
-    nanoengine_gflops: float | None = None  # csrc/cpu/gemm.cpp; None without the C++ kernels
+    # GFLOP/s by path: "torch.mm" (what F.linear and HF transformers take),
+    # "oneDNN prepacked" (vLLM's CPU path), "nanoengine GEMM" (csrc/cpu/gemm.cpp)
+    # or, in bf16, one "nanoengine GEMM (<kernel>)" per kernel of gemm_bf16.cpp.
+    path_gflops: dict[str, float]
+
+    @property
+    def gflops(self) -> float:
+        """The roofline: the fastest path. A share of a slower one would flatter the engine."""
+        return max(self.path_gflops.values())
 
     def paths(self) -> dict[str, float]:
         """Every path measured here, by name."""
-        measured = {
-            "torch.mm": self.torch_mm_gflops,
-            "oneDNN prepacked": self.onednn_gflops,
-            "nanoengine GEMM": self.nanoengine_gflops,
-        }
-        return {name: value for name, value in measured.items() if value is not None}
+        return dict(self.path_gflops)
 
     @property
     def best_path(self) -> str:
-        return max(self.paths().items(), key=lambda item: item[1])[0]
+        return max(self.path_gflops.items(), key=lambda item: item[1])[0]
 
 
 def _best_gflops(matmul: Callable[[], object], size: int, repeats: int) -> float:
@@ -82,36 +88,34 @@ def _on_a_thread_of_its_own(measure: Callable[[], _T]) -> _T:
         return pool.submit(measure).result()
 
 
-def measure_gemm_roofline(size: int = 2048, repeats: int = 5) -> Roofline:
-    """Best of ``repeats`` [size x size] @ [size x size] fp32 products, in GFLOP/s.
+def measure_gemm_roofline(size: int = 2048, repeats: int = 5, dtype: str = "float32") -> Roofline:
+    """Best of ``repeats`` [size x size] @ [size x size] products in ``dtype``, in GFLOP/s.
 
     Every matmul path available is measured and the fastest is the roofline: a
     share of a slower one would flatter the engine.
     """
-    return _on_a_thread_of_its_own(lambda: _measure_gemm_roofline(size, repeats))
+    return _on_a_thread_of_its_own(lambda: _measure_gemm_roofline(size, repeats, getattr(torch, dtype)))
 
 
-def _measure_gemm_roofline(size: int, repeats: int) -> Roofline:
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    torch_mm = _best_gflops(lambda: torch.mm(a, b), size, repeats)
-    weight = b.t()  # both packed paths compute a @ W^T = a @ b
-    onednn: float | None = None
+def _measure_gemm_roofline(size: int, repeats: int, dtype: torch.dtype) -> Roofline:
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    paths = {"torch.mm": _best_gflops(lambda: torch.mm(a, b), size, repeats)}
+    weight = b.t().contiguous()  # the packed paths compute a @ W^T = a @ b
     if onednn_available():
         packed = pack_weight(weight)
-        onednn = _best_gflops(lambda: onednn_linear(a, packed, None), size, repeats)
-    nanoengine: float | None = None
-    if cpu_ops_available():
-        panels = load_cpu_ops().pack_linear_weight(weight.contiguous())
-        nanoengine = _best_gflops(lambda: cpu_linear(a, panels, None, size), size, repeats)
-    return Roofline(
-        gflops=max(torch_mm, onednn or 0.0, nanoengine or 0.0),
-        size=size,
-        threads=torch.get_num_threads(),
-        torch_mm_gflops=torch_mm,
-        onednn_gflops=onednn,
-        nanoengine_gflops=nanoengine,
-    )
+        paths["oneDNN prepacked"] = _best_gflops(lambda: onednn_linear(a, packed, None), size, repeats)
+    device = torch.device("cpu")
+    if cpu_gemm_usable(device, dtype):
+        panels = pack_cpu_weight(weight)
+        if dtype == torch.bfloat16:
+            for kernel in bf16_gemm_kernels():
+                paths[f"nanoengine GEMM ({kernel})"] = _best_gflops(
+                    lambda kernel=kernel: cpu_linear(a, panels, None, size, kernel), size, repeats
+                )
+        else:
+            paths["nanoengine GEMM"] = _best_gflops(lambda: cpu_linear(a, panels, None, size), size, repeats)
+    return Roofline(str(dtype).removeprefix("torch."), size, torch.get_num_threads(), paths)
 
 
 def describe_matmul_paths(roofline: Roofline) -> str:
@@ -190,7 +194,9 @@ def extras_table(
     """
     from rich.table import Table
 
-    table = Table(title=f"Latency and roofline share (fp32 GEMM roofline {roofline.gflops:.1f} GFLOP/s)")
+    table = Table(
+        title=f"Latency and roofline share ({roofline.dtype} GEMM roofline {roofline.gflops:.1f} GFLOP/s)"
+    )
     for column in (
         "workload",
         "system",
@@ -212,7 +218,8 @@ def extras_table(
             f"{achieved / roofline.gflops:.0%}",
         )
     table.caption = (
-        f"roofline: best of 5 [{roofline.size}x{roofline.size}] fp32 matmuls, {roofline.threads} threads, "
+        f"roofline: best of 5 [{roofline.size}x{roofline.size}] {roofline.dtype} matmuls, "
+        f"{roofline.threads} threads, "
         f"{roofline.best_path} ({describe_matmul_paths(roofline)})"
     )
     return table

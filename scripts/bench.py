@@ -333,9 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"workload {w.name}: " + ", ".join(f"{k}={v}" for k, v in w.summary().items()))
 
     # The roofline first, on a machine not yet busy with any system.
-    roofline = measure_gemm_roofline()
+    roofline = measure_gemm_roofline(dtype=args.dtype)
     console.print(
-        f"fp32 GEMM roofline: {roofline.gflops:.1f} GFLOP/s ({roofline.threads} threads; "
+        f"{args.dtype} GEMM roofline: {roofline.gflops:.1f} GFLOP/s ({roofline.threads} threads; "
         f"{describe_matmul_paths(roofline)})"
     )
     systems, engine_kwargs = build_systems(args, model_path)

@@ -100,10 +100,11 @@ def test_unsupported_architecture(tiny_llama: str, tmp_path: Path) -> None:
 
 
 def test_kv_budget_too_small_says_what_is_needed(tiny_llama: str) -> None:
-    # tiny llama: 2 layers x 2 KV heads x 16 dims x K,V x 4 bytes = 512 bytes per token;
-    # 64 tokens are 4 blocks of 16, plus the null block: 5 x 16 x 512 = 40960 bytes.
+    # tiny llama: 2 layers x 2 KV heads x 16 dims x K,V x 4 bytes (fp32, named: "auto"
+    # may be bf16) = 512 bytes per token; 64 tokens are 4 blocks of 16, plus the null
+    # block: 5 x 16 x 512 = 40960 bytes.
     with pytest.raises(ValueError, match=r"too small for one request of max_model_len=64 tokens, which needs") as err:
-        LLM(tiny_llama, max_model_len=64, block_size=16, kv_cache_memory_bytes=4096)
+        LLM(tiny_llama, dtype="float32", max_model_len=64, block_size=16, kv_cache_memory_bytes=4096)
     assert "40960 bytes" in str(err.value) and "kv_cache_memory_bytes" in str(err.value)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hf_reference import HFGreedy
+from hf_reference import EXACT_DTYPE, HFGreedy
 from transformers import AutoTokenizer
 
 from nanoengine import LLM, SamplingParams
@@ -55,7 +55,12 @@ def test_tiny_model_greedy_parity(
     prompts = _prompts(reference.model.config.vocab_size, [5, 17, 3, 30, 9, 24])
     num_tokens = 48
     expected = [reference.generate(p, num_tokens) for p in prompts]
-    settings = {"kv_cache_memory_bytes": 1 << 24, "max_model_len": 256, **SCENARIOS[scenario]}
+    settings = {
+        "kv_cache_memory_bytes": 1 << 24,
+        "max_model_len": 256,
+        "dtype": EXACT_DTYPE,
+        **SCENARIOS[scenario],
+    }
     llm = LLM(path, **settings)
     got, preemptions = _run_engine(llm, prompts, num_tokens)
     assert got == expected
@@ -92,7 +97,7 @@ def test_smollm2_greedy_parity(
     default_model_path: str, smollm2_reference: tuple[list[list[int]], list[list[int]]], scenario: str
 ) -> None:
     prompts, expected = smollm2_reference
-    settings = dict(SCENARIOS[scenario], max_model_len=256)
+    settings = dict(SCENARIOS[scenario], max_model_len=256, dtype=EXACT_DTYPE)
     if scenario == "preemption":
         settings.update(num_gpu_blocks_override=30, block_size=4, max_model_len=112)
     llm = LLM(default_model_path, **settings)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_reference import EXACT_DTYPE
 from transformers import AutoModelForCausalLM
 
 from nanoengine import LLM, RequestOutput, SamplingParams
@@ -32,7 +33,8 @@ from nanoengine.worker.prompt_logprobs import (
 )
 
 TOLERANCE = 1e-4
-BASE = dict(max_model_len=128, kv_cache_memory_bytes=1 << 22)
+# fp32: the logprobs are compared with HF's fp32 model to TOLERANCE.
+BASE = dict(max_model_len=128, kv_cache_memory_bytes=1 << 22, dtype=EXACT_DTYPE)
 
 
 def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:

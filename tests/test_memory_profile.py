@@ -38,7 +38,14 @@ def test_engine_keeps_the_breakdown_and_is_quiet_by_default(
     tiny_llama: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING):
-        llm = LLM(tiny_llama, max_model_len=128, max_num_batched_tokens=256, kv_cache_memory_bytes=4 << 20)
+        # fp32 named (4 bytes a weight below); tests/test_bf16_engine.py checks bf16 halves it.
+        llm = LLM(
+            tiny_llama,
+            dtype="float32",
+            max_model_len=128,
+            max_num_batched_tokens=256,
+            kv_cache_memory_bytes=4 << 20,
+        )
     assert not caplog.records
     core = llm.llm_engine.engine_core.get_engine_core()
     report = core.memory_report
@@ -72,7 +79,8 @@ def test_too_small_budget_names_the_missing_bytes_and_the_profile(tiny_llama: st
 
 def test_backend_choice_and_bad_values(tiny_llama: str) -> None:
     assert resolve_backend_name("auto", torch.device("cpu")) == "cpu"  # the C++ kernels build here
-    assert resolve_backend_name("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    assert resolve_backend_name("auto", torch.device("cpu"), torch.bfloat16) == "cpu"
+    assert resolve_backend_name("auto", torch.device("cpu"), torch.float16) == "torch"
     assert resolve_backend_name("triton", torch.device("cpu")) == "triton"
     with pytest.raises(ValueError, match="attention_backend"):
         resolve_backend_name("flash", torch.device("cpu"))

@@ -37,7 +37,14 @@ TIGHT_CACHE: dict[str, Any] = {"max_model_len": 32, "block_size": 4, "num_gpu_bl
                                 "max_num_batched_tokens": 32}
 # Every engine gets a fixed, small block count: sized from the machine's RAM it
 # would differ between runs (and a million blocks take seconds to set up).
-SMALL_BLOCKS: dict[str, Any] = {"max_model_len": 64, "block_size": 4, "num_gpu_blocks_override": 64}
+# fp32 pinned: the checks compare texts and token ids with fixed expectations,
+# and dtype="auto" would pick bf16 on a CPU with bf16 dot products.
+SMALL_BLOCKS: dict[str, Any] = {
+    "max_model_len": 64,
+    "block_size": 4,
+    "num_gpu_blocks_override": 64,
+    "dtype": "float32",
+}
 # An 8-token budget cuts every 7-token prompt into chunks.
 SMALL_BUDGET: dict[str, Any] = {**SMALL_BLOCKS, "max_num_batched_tokens": 8}
 

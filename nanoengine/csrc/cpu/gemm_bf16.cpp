@@ -57,12 +57,21 @@ constexpr int64_t kBlockBytes = 256 << 10;
 int64_t padded_k(int64_t k) { return (k + kKAlign - 1) / kKAlign * kKAlign; }
 
 // out[r][c] = bf16(acc[r][c] + bias[c]) for the rows x cols that exist.
-// acc: [rows][32] fp32, row stride acc_stride.
+// acc: [rows][32] fp32, row stride acc_stride. A full panel (32 columns) is
+// written as two 16-lane vectors per row; a prefill writes millions of
+// outputs per layer, so a scalar loop here costs as much as the tile products.
 void write_rows(BFloat16* out, int64_t out_stride, const float* acc, int64_t acc_stride, int64_t rows,
                 int64_t cols, const BFloat16* bias) {
+  FloatVec bias_vec[2] = {FloatVec{}, FloatVec{}};
+  if (bias != nullptr && cols == kPanel) bias_vec[0] = load_vec(bias), bias_vec[1] = load_vec(bias + kLanes);
   for (int64_t r = 0; r < rows; ++r) {
     const float* a = acc + r * acc_stride;
     BFloat16* o = out + r * out_stride;
+    if (cols == kPanel) {
+      store_vec(o, load_vec(a) + bias_vec[0]);
+      store_vec(o + kLanes, load_vec(a + kLanes) + bias_vec[1]);
+      continue;
+    }
     for (int64_t c = 0; c < cols; ++c) store_scalar(o + c, a[c] + (bias != nullptr ? to_float(bias[c]) : 0.f));
   }
 }
@@ -169,19 +178,31 @@ void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// acc [16 * A_TILES][32] fp32 = 16 or 32 rows of x (from `x`, stride x_stride)
-// times one panel, over all of K.
+// acc [16 * A_TILES][32] fp32 (+)= 16 or 32 rows of x (from `x`, stride
+// x_stride) times pairs of k [first_pair, end_pair) of one panel. With
+// `accumulate` the tiles start from acc (an earlier chunk of k), else from zero.
 template <int A_TILES>
-void amx_block(float* acc, const BFloat16* x, int64_t x_stride, const BFloat16* panel, int64_t k_pairs) {
+void amx_block(float* acc, bool accumulate, const BFloat16* x, int64_t x_stride, const BFloat16* panel,
+               int64_t first_pair, int64_t end_pair) {
   const int64_t x_bytes = x_stride * 2;
+  constexpr int64_t kAccBytes = kPanel * 4;       // one row of acc
   constexpr int64_t kPairsPerTile = kKAlign / 2;  // 16 pairs of k: one B tile's rows
-  _tile_zero(0);
-  _tile_zero(1);
-  if (A_TILES == 2) {
-    _tile_zero(2);
-    _tile_zero(3);
+  if (accumulate) {
+    _tile_loadd(0, acc, kAccBytes);
+    _tile_loadd(1, acc + 16, kAccBytes);
+    if (A_TILES == 2) {
+      _tile_loadd(2, acc + 16 * kPanel, kAccBytes);
+      _tile_loadd(3, acc + 16 * kPanel + 16, kAccBytes);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (A_TILES == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
   }
-  for (int64_t kp = 0; kp < k_pairs; kp += kPairsPerTile) {
+  for (int64_t kp = first_pair; kp < end_pair; kp += kPairsPerTile) {
     const BFloat16* b = panel + kp * kPairElems;
     // The weight stream is prefetched two B tiles (4 KB) ahead, as in the other kernels.
     for (int64_t line = 0; line < kPairsPerTile * kPairElems; line += 32)
@@ -197,13 +218,19 @@ void amx_block(float* acc, const BFloat16* x, int64_t x_stride, const BFloat16* 
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, acc, kPanel * 4);
-  _tile_stored(1, acc + 16, kPanel * 4);
+  _tile_stored(0, acc, kAccBytes);
+  _tile_stored(1, acc + 16, kAccBytes);
   if (A_TILES == 2) {
-    _tile_stored(2, acc + 16 * kPanel, kPanel * 4);
-    _tile_stored(3, acc + 16 * kPanel + 16, kPanel * 4);
+    _tile_stored(2, acc + 16 * kPanel, kAccBytes);
+    _tile_stored(3, acc + 16 * kPanel + 16, kAccBytes);
   }
 }
+
+// Pairs of k per chunk: 128 pairs x 128 bytes = 16 KB of a panel. A chunk is
+// read from memory once and then stays in L1 (48 KB) while every row group of
+// the block passes by; without chunks a prefill reloaded the whole panel from
+// L2 for every 32 rows, and the tile products waited on L2.
+constexpr int64_t kChunkPairs = 128;
 
 void run_amx(const Problem& pb) {
   TORCH_CHECK(amx_permitted(), "the kernel refused this process the AMX tile state (arch_prctl)");
@@ -219,21 +246,26 @@ void run_amx(const Problem& pb) {
     const int64_t end = std::min(pb.rows, first + block_rows);
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t stop) {
       configure_tiles();
-      alignas(64) float acc[32 * kPanel];
+      // acc: the fp32 sums of every row of the block for one panel, [rows][32].
+      std::vector<float> acc((end - first + 16) * kPanel);
       for (int64_t p = begin; p < stop; ++p) {
         const BFloat16* panel = pb.panels + p * pb.k_pairs * kPairElems;
-        const int64_t col = p * kPanel, cols = std::min(kPanel, pb.out_features - col);
-        const BFloat16* bias = pb.bias == nullptr ? nullptr : pb.bias + col;
-        for (int64_t r = first; r < end;) {
-          const int64_t rows = std::min<int64_t>(end - r, r + 32 <= full_rows ? 32 : 16);
-          const BFloat16* x = r < full_rows ? pb.x + r * pb.x_stride : tail.data();
-          if (rows > 16)
-            amx_block<2>(acc, x, pb.x_stride, panel, pb.k_pairs);
-          else
-            amx_block<1>(acc, x, pb.x_stride, panel, pb.k_pairs);
-          write_rows(pb.out + r * pb.out_features + col, pb.out_features, acc, kPanel, rows, cols, bias);
-          r += rows;
+        for (int64_t chunk = 0; chunk < pb.k_pairs; chunk += kChunkPairs) {
+          const int64_t chunk_end = std::min(pb.k_pairs, chunk + kChunkPairs);
+          for (int64_t r = first; r < end;) {
+            const int64_t rows = std::min<int64_t>(end - r, r + 32 <= full_rows ? 32 : 16);
+            const BFloat16* x = r < full_rows ? pb.x + r * pb.x_stride : tail.data();
+            float* group_acc = acc.data() + (r - first) * kPanel;
+            if (rows > 16)
+              amx_block<2>(group_acc, chunk > 0, x, pb.x_stride, panel, chunk, chunk_end);
+            else
+              amx_block<1>(group_acc, chunk > 0, x, pb.x_stride, panel, chunk, chunk_end);
+            r += rows;
+          }
         }
+        const int64_t col = p * kPanel, cols = std::min(kPanel, pb.out_features - col);
+        write_rows(pb.out + first * pb.out_features + col, pb.out_features, acc.data(), kPanel, end - first, cols,
+                   pb.bias == nullptr ? nullptr : pb.bias + col);
       }
       _tile_release();
     });

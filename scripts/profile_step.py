@@ -1,0 +1,152 @@
+"""Where a decode step's time goes, by part, in one dtype (chapter 7).
+
+Chapter 7 ("Where a CPU step spends its time", and its bf16 section) quotes
+these figures. A real engine runs ``--batch`` requests with ``--context``-token
+prompts; once every request decodes, each step is timed whole and by part:
+
+* matmuls: every ``Linear`` of the decoder layers (qkv, o, gate_up, down);
+* LM head: the [hidden -> vocab] product that makes the logits;
+* attention: the K/V write and the paged decode attention kernel;
+* the rest: norms, RoPE, activation, sampling, scheduling and bookkeeping.
+
+Each part is timed through method taps (``nanoengine/utils/method_taps.py``) on
+the live objects, so the engine's code is not touched. It also prints the
+bytes a step must stream from memory: every weight once per step, and every
+cached K/V row of every request once. Run it once per dtype, in separate
+processes (chapter 7 explains why one process should run one engine):
+
+    python scripts/profile_step.py --dtype float32
+    python scripts/profile_step.py --dtype bfloat16
+
+vLLM 0.32 counterpart: none; vLLM profiles with ``torch.profiler``, which does
+not see nanoengine's pybind11 kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.table import Table
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.model_executor.layers.cpu_linear import PackableLinear
+from nanoengine.renderers.hf import TokensPrompt
+from nanoengine.utils.mem_utils import format_bytes
+from nanoengine.utils.method_taps import tap
+
+
+class PartTimer:
+    """Seconds spent in each tapped part during the current step (one thread calls them all)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._started: list[float] = []
+
+    def watch(self, obj: object, method: str, part: str) -> None:
+        def begin(*_: object, **__: object) -> None:
+            self._started.append(time.perf_counter())
+
+        def end(*_: object, **__: object) -> None:
+            self.seconds[part] += time.perf_counter() - self._started.pop()
+
+        tap(obj, method, before=begin, after=end)
+
+    @contextmanager
+    def step(self) -> Iterator[dict[str, float]]:
+        """Zero the parts, run the step inside, leave its parts (and "step") in the yielded dict."""
+        self.seconds.clear()
+        result: dict[str, float] = {}
+        start = time.perf_counter()
+        yield result
+        result.update(self.seconds, step=time.perf_counter() - start)
+
+
+def attach(llm: LLM, timer: PartTimer) -> None:
+    core = llm.llm_engine.engine_core.get_engine_core()
+    runner = core.model_executor.driver_worker.model_runner
+    model = runner._model()
+    for name, module in model.named_modules():
+        if isinstance(module, PackableLinear):
+            timer.watch(module, "matmul", "LM head" if name.endswith("lm_head") else "matmuls")
+    impl = next(m.impl for m in model.modules() if hasattr(m, "impl"))
+    timer.watch(impl, "_write", "attention")
+    timer.watch(impl, "_decode_batch", "attention")
+
+
+def profile(args: argparse.Namespace) -> tuple[LLM, list[dict[str, float]]]:
+    llm = LLM(args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False,
+              max_num_seqs=args.batch, max_model_len=args.context + args.steps + 16)
+    timer = PartTimer()
+    attach(llm, timer)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 2, ignore_eos=True)
+    for i in range(args.batch):
+        prompt: TokensPrompt = {"prompt_token_ids": [(13 * i + 7 * j) % 4000 + 10 for j in range(args.context)]}
+        engine.add_rendered_request(f"r{i}", engine.renderer.render_prompt(prompt), params)
+    core = engine.engine_core.get_engine_core()
+    steps: list[dict[str, float]] = []
+    while engine.has_unfinished_requests():
+        decoding = not core.scheduler.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens
+                                                        for r in core.scheduler.running)
+        with timer.step() as parts:
+            engine.step()
+        if decoding and len(core.scheduler.running) == args.batch:
+            steps.append(parts)
+    return llm, steps[1:]  # the first full decode step still pays first-touch costs
+
+
+def report(args: argparse.Namespace, llm_steps: list[dict[str, float]], console: Console) -> None:
+    def median_ms(part: str) -> float:
+        return statistics.median(s.get(part, 0.0) for s in llm_steps) * 1e3
+
+    step = median_ms("step")
+    parts = {part: median_ms(part) for part in ("matmuls", "LM head", "attention")}
+    parts["the rest"] = step - sum(parts.values())
+    table = Table(title=f"decode step, batch {args.batch}, ~{args.context} cached tokens each, {args.dtype}")
+    for column in ("part", "median ms", "share"):
+        table.add_column(column, justify="left" if column == "part" else "right")
+    for part, ms in parts.items():
+        table.add_row(part, f"{ms:.1f}", f"{ms / step:.0%}")
+    table.add_row("step", f"{step:.1f}", "100%")
+    console.print(table)
+    console.print(f"{len(llm_steps)} steps measured; {args.batch / step * 1e3:.0f} decode tok/s")
+
+
+def bytes_per_step(args: argparse.Namespace, llm: LLM, console: Console) -> None:
+    """What one decode step must read from memory, from the model's shape."""
+    core = llm.llm_engine.engine_core.get_engine_core()
+    runner = core.model_executor.driver_worker.model_runner
+    weights = runner.weights_bytes()
+    spec = runner.get_kv_cache_spec()
+    kv_per_token = spec.page_size_bytes // spec.block_size  # K and V rows of every layer
+    kv = kv_per_token * args.batch * args.context
+    console.print(
+        f"bytes per step: weights {format_bytes(weights)} + K/V {format_bytes(kv)} "
+        f"({format_bytes(kv_per_token)} per cached token) = {format_bytes(weights + kv)}; "
+        f"per generated token {format_bytes((weights + kv) // args.batch)}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=250, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=12, help="decode steps measured")
+    args = parser.parse_args(argv)
+    console = Console()
+    llm, steps = profile(args)
+    report(args, steps, console)
+    bytes_per_step(args, llm, console)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
