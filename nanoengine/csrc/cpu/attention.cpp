@@ -72,19 +72,30 @@ void attend_head_group(T* out, const T* q, const PagedRows<T>& keys, const Paged
   FloatVec qv[NH][VECS];
   for (int h = 0; h < NH; ++h)
     for (int j = 0; j < VECS; ++j) qv[h][j] = load_vec(q + h * kDim + j * kLanes);
-  float max_score[NH];
-  for (int h = 0; h < NH; ++h) max_score[h] = -INFINITY;
-  for_each_row(keys, kDim, [&](int64_t t, const T* k) {
-    FloatVec kv[VECS];
-    for (int j = 0; j < VECS; ++j) kv[j] = load_vec(k + j * kLanes);
+  // Pass 1, sixteen keys at a time: widen their rows once, then for each head
+  // form the 16 products q . k as vectors of partial sums and fold them into
+  // one vector holding the 16 scores (sum_lanes_of_16). Summing each product
+  // on its own took most of a step's attention time: a horizontal sum is a
+  // chain of shuffles, and one per head per key added up to ~50 cycles a key.
+  FloatVec max_vec[NH];
+  for (int h = 0; h < NH; ++h) max_vec[h] = FloatVec{} - INFINITY;
+  for_each_group_of_16(keys, kDim, [&](int64_t first, const T* const* rows, int n) {
+    FloatVec kv[16][VECS];
+    for (int r = 0; r < 16; ++r)
+      for (int j = 0; j < VECS; ++j) kv[r][j] = r < n ? load_vec(rows[r] + j * kLanes) : FloatVec{};
     for (int h = 0; h < NH; ++h) {
-      FloatVec prod = qv[h][0] * kv[0];
-      for (int j = 1; j < VECS; ++j) prod += qv[h][j] * kv[j];
-      const float s = horizontal_sum(prod) * scale;
-      scores[h * len + t] = s;
-      max_score[h] = std::max(max_score[h], s);
+      FloatVec prod[16];
+      for (int r = 0; r < 16; ++r) {
+        prod[r] = qv[h][0] * kv[r][0];
+        for (int j = 1; j < VECS; ++j) prod[r] += qv[h][j] * kv[r][j];
+      }
+      const FloatVec s = sum_lanes_of_16(prod) * scale;  // lane r: key first + r
+      std::memcpy(scores + h * len + first, &s, n * sizeof(float));
+      max_vec[h] = max_first_lanes(max_vec[h], s, n);
     }
   });
+  float max_score[NH];
+  for (int h = 0; h < NH; ++h) max_score[h] = horizontal_max(max_vec[h]);
   // Softmax numerators, subtracting each head's max so exp never overflows.
   float inv_sum[NH];
   for (int h = 0; h < NH; ++h) inv_sum[h] = 1.f / exp_and_sum(scores + h * len, len, max_score[h]);

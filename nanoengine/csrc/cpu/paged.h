@@ -22,6 +22,44 @@ inline float horizontal_sum(FloatVec v) {
   return sum;
 }
 
+inline float horizontal_max(FloatVec v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// max(acc, v) in lanes 0 .. n-1; lanes from n on keep acc (they hold no key).
+inline FloatVec max_first_lanes(FloatVec acc, FloatVec v, int n) {
+  typedef int32_t Lanes __attribute__((vector_size(64)));
+  constexpr Lanes kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return (kLaneIndex < n && v > acc) ? v : acc;
+}
+
+// out[r] = v[r][0] + v[r][1] + ... + v[r][15] for r = 0..15: sixteen
+// horizontal sums at once. Each step pairs vectors and halves the lanes every
+// row still spreads over (16 -> 8 -> 4 -> 2 -> 1), with two shuffles and one
+// add per pair: 15 pairs in all, where 16 separate sums take ~8 operations each.
+inline FloatVec sum_lanes_of_16(const FloatVec (&v)[16]) {
+  typedef int32_t Mask __attribute__((vector_size(64)));
+  // Lanes of (a, b) as one 32-lane list: for each run of `width` lanes that
+  // belongs to one row, `lo` takes its first half and `hi` its second half.
+  constexpr Mask kLo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                           {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+                           {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+                           {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+  constexpr Mask kHi[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+                           {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
+                           {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
+                           {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+  FloatVec level[16];
+  for (int r = 0; r < 16; ++r) level[r] = v[r];
+  for (int step = 0, count = 16; count > 1; ++step, count /= 2)
+    for (int i = 0; i < count / 2; ++i)
+      level[i] = __builtin_shuffle(level[2 * i], level[2 * i + 1], kLo[step]) +
+                 __builtin_shuffle(level[2 * i], level[2 * i + 1], kHi[step]);
+  return level[0];
+}
+
 // p[t] = exp(p[t] - max_score) for t < len; returns their sum (the softmax
 // denominator). Subtracting the max keeps exp from overflowing.
 inline float exp_and_sum(float* p, int64_t len, float max_score) {
@@ -65,6 +103,24 @@ inline void for_each_row(const PagedRows<T>& rows, int64_t width, Visit visit) {
     const T* block = block_start(i);
     for (int64_t t = 0; t < rows_in(i); ++t) visit(i * rows.block_size + t, block + t * rows.row_stride);
   }
+}
+
+// Calls visit(first, rows, n) for consecutive groups of up to 16 rows:
+// rows[0 .. n-1] point at tokens first .. first+n-1 (n < 16 only at the end).
+template <typename T, typename Visit>
+inline void for_each_group_of_16(const PagedRows<T>& rows, int64_t width, Visit visit) {
+  const T* group[16];
+  int n = 0;
+  int64_t first = 0;
+  for_each_row(rows, width, [&](int64_t t, const T* row) {
+    if (n == 0) first = t;
+    group[n++] = row;
+    if (n == 16) {
+      visit(first, group, n);
+      n = 0;
+    }
+  });
+  if (n > 0) visit(first, group, n);
 }
 
 // Calls work(scratch, item) for every item, most costly first, on all of
