@@ -34,7 +34,8 @@ from chapters._common import base_parser, console, construction_table, timed
 from nanoengine import LLM
 from nanoengine.core.kv_cache_sizing import get_kv_cache_config, max_concurrency, num_blocks_from_budget
 from nanoengine.kv_cache_interface import KVCacheConfig
-from nanoengine.platforms.cpu import cpu_bf16_features, default_cpu_dtype
+from nanoengine.engine.arg_utils import resolve_dtype
+from nanoengine.platforms.cpu import cpu_bf16_features
 from nanoengine.utils.mem_utils import format_bytes
 from nanoengine.worker.memory_report import MemoryReport, memory_table
 from nanoengine.worker.worker import available_ram_bytes
@@ -83,18 +84,13 @@ def _report(llm: LLM) -> MemoryReport:
     return report
 
 
-def auto_dtype(device: str) -> str:
-    """``dtype="auto"`` on ``device``: the rule of ``EngineArgs`` (``arg_utils._resolve_dtype``)."""
-    return default_cpu_dtype() if device == "cpu" else "bfloat16"
-
-
 def auto_dtype_reason(device: str) -> str:
     """What ``dtype="auto"`` becomes on this device, and the hardware fact that decides it."""
     if device != "cpu":
-        return f'dtype="auto" on {device} -> {auto_dtype(device)}'
+        return f'dtype="auto" on {device} -> {resolve_dtype("auto", device)}'
     features = cpu_bf16_features()
     why = "bf16 matmuls run fast here" if features.fast_bf16 else "a bf16 matmul would widen to fp32 first: slower"
-    return f'dtype="auto" on this CPU -> {auto_dtype(device)}: the CPU has {features.describe()} ({why})'
+    return f'dtype="auto" on this CPU -> {resolve_dtype("auto", device)}: the CPU has {features.describe()} ({why})'
 
 
 def dtype_rows(llm: LLM, report: MemoryReport, max_model_len: int) -> list[DtypeRow]:
@@ -227,7 +223,7 @@ def main(argv: list[str] | None = None) -> Ch06Result:
     console.print(auto_dtype_reason(device))
     console.print(f"this engine: dtype={args.dtype!r} -> {llm.llm_engine.engine_config.model_config.dtype}")
     rows_by_dtype = dtype_rows(llm, report, args.max_model_len)
-    console.print(dtype_table(rows_by_dtype, report.profile.kv_cache_bytes, args.max_model_len, auto_dtype(device)))
+    console.print(dtype_table(rows_by_dtype, report.profile.kv_cache_bytes, args.max_model_len, resolve_dtype("auto", device)))
 
     console.rule("4. The budget knob -> blocks -> concurrency")
     rows = cpu_knob_rows(report, args.max_model_len)

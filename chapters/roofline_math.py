@@ -19,6 +19,7 @@ vLLM 0.32 counterpart: none in the engine; ``vllm/benchmarks`` reports only tok/
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -111,7 +112,7 @@ def _measure_gemm_roofline(size: int, repeats: int, dtype: torch.dtype) -> Roofl
         if dtype == torch.bfloat16:
             for kernel in bf16_gemm_kernels():
                 paths[f"nanoengine GEMM ({kernel})"] = _best_gflops(
-                    lambda kernel=kernel: cpu_linear(a, panels, None, size, kernel), size, repeats
+                    functools.partial(cpu_linear, a, panels, None, size, kernel), size, repeats
                 )
         else:
             paths["nanoengine GEMM"] = _best_gflops(lambda: cpu_linear(a, panels, None, size), size, repeats)

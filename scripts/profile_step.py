@@ -7,7 +7,10 @@ prompts; once every request decodes, each step is timed whole and by part:
 * matmuls: every ``Linear`` of the decoder layers (qkv, o, gate_up, down);
 * LM head: the [hidden -> vocab] product that makes the logits;
 * attention: the K/V write and the paged decode attention kernel;
-* the rest: norms, RoPE, activation, sampling, scheduling and bookkeeping.
+* norms, RoPE, SiLU: the small per-layer kernels (chapter 7's custom ops);
+* the rest of the forward: the Python that walks the layers and calls the above;
+* sampling: from logits to token ids;
+* the engine: scheduling, input preparation and output processing.
 
 Each part is timed through method taps (``nanoengine/utils/method_taps.py``) on
 the live objects, so the engine's code is not touched. It also prints the
@@ -35,10 +38,13 @@ from rich.console import Console
 from rich.table import Table
 
 from nanoengine import LLM, SamplingParams
+from nanoengine.model_executor.custom_op import CustomOp
 from nanoengine.model_executor.layers.cpu_linear import PackableLinear
+from nanoengine.model_executor.layers.layernorm import RMSNorm
 from nanoengine.renderers.hf import TokensPrompt
 from nanoengine.utils.mem_utils import format_bytes
 from nanoengine.utils.method_taps import tap
+from nanoengine.worker.model_runner import ModelRunner
 
 
 class PartTimer:
@@ -67,16 +73,27 @@ class PartTimer:
         result.update(self.seconds, step=time.perf_counter() - start)
 
 
+def model_runner(llm: LLM) -> ModelRunner:
+    runner = llm.llm_engine.engine_core.get_engine_core().model_executor.driver_worker.model_runner
+    assert runner is not None, "the worker has no model runner yet"
+    return runner
+
+
 def attach(llm: LLM, timer: PartTimer) -> None:
-    core = llm.llm_engine.engine_core.get_engine_core()
-    runner = core.model_executor.driver_worker.model_runner
+    runner = model_runner(llm)
     model = runner._model()
     for name, module in model.named_modules():
         if isinstance(module, PackableLinear):
             timer.watch(module, "matmul", "LM head" if name.endswith("lm_head") else "matmuls")
+        elif isinstance(module, CustomOp):
+            timer.watch(module, "forward", "norms, RoPE, SiLU")
+            if isinstance(module, RMSNorm):
+                timer.watch(module, "forward_with_residual", "norms, RoPE, SiLU")
     impl = next(m.impl for m in model.modules() if hasattr(m, "impl"))
     timer.watch(impl, "_write", "attention")
     timer.watch(impl, "_decode_batch", "attention")
+    timer.watch(runner, "_forward", "forward")
+    timer.watch(runner.sampler, "forward", "sampling")
 
 
 def profile(args: argparse.Namespace) -> tuple[LLM, list[dict[str, float]]]:
@@ -106,8 +123,10 @@ def report(args: argparse.Namespace, llm_steps: list[dict[str, float]], console:
         return statistics.median(s.get(part, 0.0) for s in llm_steps) * 1e3
 
     step = median_ms("step")
-    parts = {part: median_ms(part) for part in ("matmuls", "LM head", "attention")}
-    parts["the rest"] = step - sum(parts.values())
+    parts = {part: median_ms(part) for part in ("matmuls", "LM head", "attention", "norms, RoPE, SiLU")}
+    parts["the rest of the forward"] = median_ms("forward") - sum(parts.values())
+    parts["sampling"] = median_ms("sampling")
+    parts["the engine"] = step - median_ms("forward") - parts["sampling"]
     table = Table(title=f"decode step, batch {args.batch}, ~{args.context} cached tokens each, {args.dtype}")
     for column in ("part", "median ms", "share"):
         table.add_column(column, justify="left" if column == "part" else "right")
@@ -120,8 +139,7 @@ def report(args: argparse.Namespace, llm_steps: list[dict[str, float]], console:
 
 def bytes_per_step(args: argparse.Namespace, llm: LLM, console: Console) -> None:
     """What one decode step must read from memory, from the model's shape."""
-    core = llm.llm_engine.engine_core.get_engine_core()
-    runner = core.model_executor.driver_worker.model_runner
+    runner = model_runner(llm)
     weights = runner.weights_bytes()
     spec = runner.get_kv_cache_spec()
     kv_per_token = spec.page_size_bytes // spec.block_size  # K and V rows of every layer

@@ -8,6 +8,7 @@ import pytest
 
 from chapters import ch02_batching, ch06_construction, ch07_generate
 from nanoengine import LLM
+from nanoengine.engine.arg_utils import resolve_dtype
 
 
 def test_ch02_measures_every_batch_size_and_the_crossovers(
@@ -47,7 +48,7 @@ def test_ch06_breakdown_dtypes_knobs_and_too_small_error(tiny_llama: str, capsys
 
 def _check_bf16_halves_the_bytes(result: ch06_construction.Ch06Result, model: str) -> None:
     """Issue 14: bf16 halves the weights and the KV bytes, so the same budget holds twice the tokens."""
-    assert result.engine_dtype == ch06_construction.auto_dtype(result.device)  # what dtype="auto" promised
+    assert result.engine_dtype == resolve_dtype("auto", result.device)  # what dtype="auto" promised
     fp32, bf16 = result.dtype_rows
     assert (fp32.dtype, bf16.dtype) == ("float32", "bfloat16")
     assert [row.measured for row in result.dtype_rows] == [row.dtype == result.engine_dtype for row in result.dtype_rows]

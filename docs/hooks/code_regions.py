@@ -22,8 +22,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_PACKAGES = ("nanoengine", "chapters")
-_ANCHOR_OPEN = re.compile(r"#\s*\[anchor:\s*([\w.-]+)\s*\]")
-_ANCHOR_CLOSE = re.compile(r"#\s*\[/anchor:\s*([\w.-]+)\s*\]")
+# The C++ kernels are shown too (source pages and anchored excerpts), but they
+# are not Python modules: they get no API reference page.
+KERNEL_DIR = "nanoengine/csrc"
+_KERNEL_SUFFIXES = (".cpp", ".h")
+# "# [anchor: NAME]" in Python, "// [anchor: NAME]" in C++.
+_ANCHOR_OPEN = re.compile(r"(?:#|//)\s*\[anchor:\s*([\w.-]+)\s*\]")
+_ANCHOR_CLOSE = re.compile(r"(?:#|//)\s*\[/anchor:\s*([\w.-]+)\s*\]")
 _EXERCISE_OPEN = re.compile(r"#\s*BEGIN EXERCISE (\d+\.\d+)\s*$")
 _EXERCISE_CLOSE = re.compile(r"#\s*END EXERCISE (\d+\.\d+)\s*$")
 
@@ -41,17 +46,32 @@ class CodeRegion:
         lines = (ROOT / self.path).read_text(encoding="utf-8").splitlines()
         return "\n".join(lines[self.start - 1 : self.end])
 
+    @property
+    def language(self) -> str:
+        return language_of(Path(self.path))
+
+
+def language_of(path: Path) -> str:
+    """The code fence language of a shown file: "cpp" for the kernels, else "python"."""
+    return "cpp" if path.suffix in _KERNEL_SUFFIXES else "python"
+
 
 def source_files() -> list[Path]:
     """Every Python file the site shows, relative to the repository root."""
     return sorted(p.relative_to(ROOT) for pkg in SOURCE_PACKAGES for p in (ROOT / pkg).rglob("*.py"))
 
 
+def shown_files() -> list[Path]:
+    """Every file with a source page: the Python files and the C++ kernels."""
+    kernels = (p.relative_to(ROOT) for p in (ROOT / KERNEL_DIR).rglob("*") if p.suffix in _KERNEL_SUFFIXES)
+    return source_files() + sorted(kernels)
+
+
 @cache
 def _marked_regions() -> dict[str, CodeRegion]:
     """Named anchors and exercise regions of every source file."""
     found: dict[str, CodeRegion] = {}
-    for path in source_files():
+    for path in shown_files():
         opened: dict[str, int] = {}
         for number, line in enumerate((ROOT / path).read_text(encoding="utf-8").splitlines(), start=1):
             for pattern, prefix, is_open in ((_ANCHOR_OPEN, "", True), (_ANCHOR_CLOSE, "", False),

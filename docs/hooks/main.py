@@ -69,12 +69,12 @@ def on_config(config: Any) -> Any:
 def _source_page(path: Path) -> str:
     text = (ROOT / path).read_text(encoding="utf-8")
     fence = "`" * max(4, max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
-    return f"# `{path.as_posix()}`\n\n{fence}python linenums=\"1\"\n{text}\n{fence}\n"
+    return f"# `{path.as_posix()}`\n\n{fence}{code_regions.language_of(path)} linenums=\"1\"\n{text}\n{fence}\n"
 
 
 def on_files(files: Files, config: Any) -> Files:
     _SOURCE_URLS.clear()
-    for path in code_regions.source_files():
+    for path in code_regions.shown_files():
         source_file = File.generated(config, f"source/{path.as_posix()}.md", content=_source_page(path))
         files.append(source_file)
         _SOURCE_URLS[path.as_posix()] = source_file.url
@@ -106,7 +106,7 @@ def _line_link(page: Page, path: str, line: int, end: int | None = None, label: 
 def _code_block(page: Page, name: str) -> str:
     region = code_regions.find_region(name)
     link = _line_link(page, region.path, region.start, region.end)
-    return f'{link}\n\n```python linenums="{region.start}"\n{region.text()}\n```\n'
+    return f'{link}\n\n```{region.language} linenums="{region.start}"\n{region.text()}\n```\n'
 
 
 def _grader_checks(page: Page, exercise_id: str) -> str:

@@ -132,7 +132,7 @@ class EngineArgs:
             model_path=model_path,
             hf_config=hf_config,
             max_model_len=max_model_len,
-            dtype=_resolve_dtype(self.dtype, device),
+            dtype=resolve_dtype(self.dtype, device),
             seed=self.seed,
             attention_backend=self.attention_backend,
             linear_backend=self.linear_backend,
@@ -270,7 +270,9 @@ def _resolve_block_size(block_size: int | None, device: str) -> int:
     return 128 if device == "cpu" else 16
 
 
-def _resolve_dtype(dtype: str, device: str) -> str:
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The dtype a model runs in: the user's, or for "auto" bf16 on CUDA and on a
+    CPU with bf16 dot products, fp32 on other CPUs (chapter 6)."""
     if dtype == "auto":
         return default_cpu_dtype() if device == "cpu" else "bfloat16"
     return dtype

@@ -92,6 +92,7 @@ struct Problem {
 
 constexpr int kTileRows = 12;  // 12 rows x 2 vectors = 24 accumulators, as gemm.cpp
 
+// [anchor: dpbf16-tile]
 template <int ROWS>
 void dpbf16_tile(const Problem& pb, int64_t first_row, int64_t panel) {
   const BFloat16* w_panel = pb.panels + panel * pb.k_pairs * kPairElems;
@@ -121,6 +122,7 @@ void dpbf16_tile(const Problem& pb, int64_t first_row, int64_t panel) {
   write_rows(pb.out + first_row * pb.out_features + col, pb.out_features, &rows_acc[0][0], kPanel, ROWS, cols,
              pb.bias == nullptr ? nullptr : pb.bias + col);
 }
+// [/anchor: dpbf16-tile]
 
 using DpTileFn = void (*)(const Problem&, int64_t, int64_t);
 template <int... Rows>
@@ -181,6 +183,7 @@ void configure_tiles() {
 // acc [16 * A_TILES][32] fp32 (+)= 16 or 32 rows of x (from `x`, stride
 // x_stride) times pairs of k [first_pair, end_pair) of one panel. With
 // `accumulate` the tiles start from acc (an earlier chunk of k), else from zero.
+// [anchor: amx-block]
 template <int A_TILES>
 void amx_block(float* acc, bool accumulate, const BFloat16* x, int64_t x_stride, const BFloat16* panel,
                int64_t first_pair, int64_t end_pair) {
@@ -225,6 +228,7 @@ void amx_block(float* acc, bool accumulate, const BFloat16* x, int64_t x_stride,
     _tile_stored(3, acc + 16 * kPanel + 16, kAccBytes);
   }
 }
+// [/anchor: amx-block]
 
 // Pairs of k per chunk: 128 pairs x 128 bytes = 16 KB of a panel. A chunk is
 // read from memory once and then stays in L1 (48 KB) while every row group of

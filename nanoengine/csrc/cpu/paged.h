@@ -39,6 +39,7 @@ inline FloatVec max_first_lanes(FloatVec acc, FloatVec v, int n) {
 // horizontal sums at once. Each step pairs vectors and halves the lanes every
 // row still spreads over (16 -> 8 -> 4 -> 2 -> 1), with two shuffles and one
 // add per pair: 15 pairs in all, where 16 separate sums take ~8 operations each.
+// [anchor: sum-lanes-of-16]
 inline FloatVec sum_lanes_of_16(const FloatVec (&v)[16]) {
   typedef int32_t Mask __attribute__((vector_size(64)));
   // Lanes of (a, b) as one 32-lane list: for each run of `width` lanes that
@@ -59,6 +60,7 @@ inline FloatVec sum_lanes_of_16(const FloatVec (&v)[16]) {
                  __builtin_shuffle(level[2 * i], level[2 * i + 1], kHi[step]);
   return level[0];
 }
+// [/anchor: sum-lanes-of-16]
 
 // p[t] = exp(p[t] - max_score) for t < len; returns their sum (the softmax
 // denominator). Subtracting the max keeps exp from overflowing.
