@@ -74,6 +74,7 @@ using BFloat16 = c10::BFloat16;
 typedef uint16_t Bf16x16 __attribute__((vector_size(32), aligned(2)));  // 16 bf16 lanes
 typedef uint32_t UIntVec __attribute__((vector_size(64)));               // 16 x 32 bits
 
+// [anchor: widen-bf16]
 // The portable spelling below is what the kernels mean; with AVX-512, GCC
 // (which prefers 256-bit vectors on Intel CPUs) split it into six
 // instructions per 16 lanes, so there it is spelled with the two intrinsics a
@@ -91,6 +92,7 @@ inline FloatVec widen(Bf16x16 h) {
   return (FloatVec)(__builtin_convertvector(h, UIntVec) << 16);
 #endif
 }
+// [/anchor: widen-bf16]
 
 // Adding 0x7FFF, plus 1 when the kept part is odd, carries into bit 16
 // exactly when the dropped half is above (or at, for an odd kept part) 0x8000.
