@@ -48,18 +48,24 @@ from nanoengine.worker.model_runner import ModelRunner
 
 
 class PartTimer:
-    """Seconds spent in each tapped part during the current step (one thread calls them all)."""
+    """Seconds spent in each tapped part during the current step (one thread calls them all).
+
+    A call inside another call of the same part (the torch RMSNorm's
+    ``forward_with_residual`` calls its ``forward``) is counted once, by the outer one.
+    """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
-        self._started: list[float] = []
+        self._open: list[tuple[str, float]] = []  # (part, start) of the calls in progress
 
     def watch(self, obj: object, method: str, part: str) -> None:
         def begin(*_: object, **__: object) -> None:
-            self._started.append(time.perf_counter())
+            self._open.append((part, time.perf_counter()))
 
         def end(*_: object, **__: object) -> None:
-            self.seconds[part] += time.perf_counter() - self._started.pop()
+            start = self._open.pop()[1]
+            if all(outer != part for outer, _ in self._open):
+                self.seconds[part] += time.perf_counter() - start
 
         tap(obj, method, before=begin, after=end)
 

@@ -16,12 +16,6 @@
 #include <numeric>
 #include <vector>
 
-inline float horizontal_sum(FloatVec v) {
-  float sum = 0.f;
-  for (int i = 0; i < kLanes; ++i) sum += v[i];
-  return sum;
-}
-
 inline float horizontal_max(FloatVec v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
