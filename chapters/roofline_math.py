@@ -32,7 +32,7 @@ from nanoengine.model_executor.layers.cpu_linear import (
     bf16_gemm_kernels,
     cpu_gemm_usable,
     cpu_linear,
-    onednn_available,
+    onednn_supports,
     onednn_linear,
     pack_cpu_weight,
     pack_weight,
@@ -103,7 +103,7 @@ def _measure_gemm_roofline(size: int, repeats: int, dtype: torch.dtype) -> Roofl
     b = torch.randn(size, size).to(dtype)
     paths = {"torch.mm": _best_gflops(lambda: torch.mm(a, b), size, repeats)}
     weight = b.t().contiguous()  # the packed paths compute a @ W^T = a @ b
-    if onednn_available():
+    if onednn_supports(dtype):
         packed = pack_weight(weight)
         paths["oneDNN prepacked"] = _best_gflops(lambda: onednn_linear(a, packed, None), size, repeats)
     device = torch.device("cpu")

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.model_executor.layers import cpu_linear
-from nanoengine.model_executor.layers.cpu_linear import onednn_available, resolve_linear_backend
+from nanoengine.model_executor.layers.cpu_linear import onednn_supports, resolve_linear_backend
 from nanoengine.platforms import cpu as cpu_platform
 from nanoengine.platforms.cpu import CpuBf16Features, warn_slow_bf16_once
 
@@ -180,7 +180,7 @@ def test_bf16_without_bf16_kernels_falls_back_and_warns_once(
     cpu = torch.device("cpu")
     with caplog.at_level(logging.WARNING, logger="nanoengine.platforms.cpu"):
         picks = [resolve_linear_backend("auto", cpu, torch.bfloat16) for _ in range(3)]
-    assert picks == ["onednn" if onednn_available() else "torch"] * 3
+    assert picks == ["onednn" if onednn_supports(torch.bfloat16) else "torch"] * 3
     warnings = [r.getMessage() for r in caplog.records if r.name == "nanoengine.platforms.cpu"]
     assert len(warnings) == 1, warnings
     assert "no bf16 dot-product instructions" in warnings[0] and "float32" in warnings[0]
@@ -194,10 +194,14 @@ def test_bf16_without_bf16_kernels_falls_back_and_warns_once(
 
 def test_bf16_halves_weights_and_doubles_kv_blocks(tiny_llama: str) -> None:
     """At the same kv_cache_memory_bytes a bf16 engine gets twice the KV blocks of an fp32
-    one (each block is half the bytes), and its weights take half the bytes."""
+    one (each block is half the bytes), and its weights take half the bytes. Both keep plain
+    weights (linear_backend="torch"): where "auto" packs one dtype and not the other (bf16 on
+    an AVX2-only CPU), a packed tied LM head's own copy would be counted on one side only."""
     reports: dict[str, Any] = {}
     for dtype in ("float32", "bfloat16"):
-        llm = LLM(tiny_llama, dtype=dtype, max_model_len=128, kv_cache_memory_bytes=4 << 20)
+        llm = LLM(
+            tiny_llama, dtype=dtype, max_model_len=128, kv_cache_memory_bytes=4 << 20, linear_backend="torch"
+        )
         core = llm.llm_engine.engine_core.get_engine_core()
         runner = core.model_executor.driver_worker.model_runner
         assert {cache.dtype for cache in runner.kv_caches} == {getattr(torch, dtype)}

@@ -56,6 +56,7 @@ from nanoengine.model_executor.layers.cpu_linear import (
     bf16_gemm_kernels,
     cpu_linear,
     onednn_available,
+    onednn_supports,
     pack_cpu_weight,
     resolve_linear_backend,
 )
@@ -232,7 +233,11 @@ def test_engine_uses_cpu_kernels_by_default_and_matches_torch_backend(
         ops = [m for m in runner.model.modules() if isinstance(m, CustomOp)]
         assert ops and all(op.use_cpu_kernels == (runner.attention_backend == "cpu") for op in ops)
         if backend == "auto":
-            assert runner.attention_backend == "cpu" and runner.linear_backend != "torch", (
+            # A packed matmul path exists for fp32 everywhere; for bf16 an AVX2-only CPU
+            # has none, and "auto" then rightly keeps F.linear.
+            fastest_linear = resolve_linear_backend("auto", torch.device("cpu"), dtype)
+            assert dtype == torch.bfloat16 or fastest_linear != "torch"
+            assert runner.attention_backend == "cpu" and runner.linear_backend == fastest_linear, (
                 f"not the fast paths: {runner.attention_backend=}, {runner.linear_backend=}"
             )
         runs[runner.attention_backend] = engine_greedy_runs(llm.generate(prompts, params, use_tqdm=False))
@@ -343,16 +348,25 @@ needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built wi
 PACKED_BACKENDS = [pytest.param("onednn", marks=needs_onednn), "cpu"]
 
 
-def cpu_gemm_refused(backend: str, dtype: torch.dtype) -> bool:
-    """True where linear_backend="cpu" cannot run ``dtype`` on this CPU (bf16 with neither
-    AMX nor avx512_bf16), after checking that this is right and that asking for it says why."""
-    if backend != "cpu" or dtype != torch.bfloat16 or bf16_gemm_kernels():
+def backend_refused(backend: str, dtype: torch.dtype) -> bool:
+    """True where ``backend`` cannot run ``dtype`` on this CPU, after checking that this is
+    right and that asking for it says why: nanoengine's GEMM in bf16 needs AMX or
+    avx512_bf16; oneDNN in bf16 needs AVX-512 or AVX-NE-CONVERT (an AVX2-only CPU has neither)."""
+    if dtype != torch.bfloat16:
         return False
-    features = cpu_bf16_features()
-    assert not features.fast_bf16, f"this CPU has {features.describe()}, but no bf16 GEMM kernel was built"
-    with pytest.raises(ValueError, match="AMX or avx512_bf16"):
-        resolve_linear_backend("cpu", torch.device("cpu"), torch.bfloat16)
-    return True
+    cpu = torch.device("cpu")
+    if backend == "cpu" and not bf16_gemm_kernels():
+        features = cpu_bf16_features()
+        assert not features.fast_bf16, f"this CPU has {features.describe()}, but no bf16 GEMM kernel was built"
+        with pytest.raises(ValueError, match="AMX or avx512_bf16"):
+            resolve_linear_backend("cpu", cpu, torch.bfloat16)
+        return True
+    if backend == "onednn" and not onednn_supports(torch.bfloat16):
+        assert not torch.cpu._is_avx512_supported(), "oneDNN refuses bf16 on a CPU with AVX-512"
+        with pytest.raises(ValueError, match="AVX-NE-CONVERT"):
+            resolve_linear_backend("onednn", cpu, torch.bfloat16)
+        return True
+    return False
 
 
 # Packed against F.linear on the same weights; bf16: both round their output once.
@@ -368,7 +382,7 @@ LINEAR_TOLERANCE: dict[torch.dtype, Tolerance] = {
 @pytest.mark.parametrize("rows", [1, 7, 13, 64])
 def test_packed_linear_matches_f_linear(backend: str, bias: bool, rows: int, dtype: torch.dtype) -> None:
     """A packed Linear gives F.linear's result, for any leading dims and strided rows."""
-    if cpu_gemm_refused(backend, dtype):
+    if backend_refused(backend, dtype):
         return
     # 80 output columns: two full 32-column panels of the C++ GEMM and a partial
     # one; 13 rows: a full 12-row register tile and a 1-row tail. K = 48: bf16
@@ -539,7 +553,8 @@ def test_resolve_linear_backend() -> None:
     wide = load_cpu_ops().packed_linear_has_wide_vectors()
     assert resolve_linear_backend("auto", cpu, torch.float32) == ("cpu" if wide else "onednn")
     bf16_fast = bool(bf16_gemm_kernels()) and wide
-    assert resolve_linear_backend("auto", cpu, torch.bfloat16) == ("cpu" if bf16_fast else "onednn")
+    bf16_fallback = "onednn" if onednn_supports(torch.bfloat16) else "torch"
+    assert resolve_linear_backend("auto", cpu, torch.bfloat16) == ("cpu" if bf16_fast else bf16_fallback)
     assert resolve_linear_backend("auto", cpu, torch.float16) == "torch"
     assert resolve_linear_backend("torch", cpu, torch.float32) == "torch"
     with pytest.raises(ValueError, match="float16"):
@@ -562,7 +577,7 @@ def test_packed_model_logits_match_torch_model(
     backend: str, family: str, tiny_model_factory: Callable[..., str], dtype: torch.dtype
 ) -> None:
     """get_model packs every Linear and the LM head for ``backend``; the head's logits are F.linear's."""
-    if cpu_gemm_refused(backend, dtype):
+    if backend_refused(backend, dtype):
         return
     path = tiny_model_factory(family)
     config = AutoConfig.from_pretrained(path)

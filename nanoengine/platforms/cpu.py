@@ -58,7 +58,7 @@ def default_cpu_dtype() -> str:
 def warn_slow_bf16_once() -> None:
     """Say once, in the log, that bf16 was asked for on a CPU without fast bf16."""
     logger.warning(
-        "This CPU has %s: bf16 runs through oneDNN and the torch reference, slower than fp32 here. "
+        "This CPU has %s: bf16 matmuls run through oneDNN where it can, else F.linear, slower than fp32 here. "
         "dtype='auto' would pick float32.",
         cpu_bf16_features().describe(),
     )

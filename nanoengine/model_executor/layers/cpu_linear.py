@@ -59,6 +59,18 @@ def onednn_available() -> bool:
     )
 
 
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """oneDNN's prepacked linear runs ``dtype`` on this CPU.
+
+    fp32 runs everywhere oneDNN does. For bf16, oneDNN needs AVX-512 (BW, VL and
+    DQ) or AVX-NE-CONVERT to convert the numbers: on a CPU with only AVX2 torch
+    refuses to pack a bf16 weight, and bf16 matmuls go through ``F.linear``.
+    """
+    if dtype not in _ONEDNN_DTYPES or not onednn_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def cpu_gemm_usable(device: torch.device, dtype: torch.dtype) -> bool:
     """nanoengine's C++ GEMM can run here: a CPU, the kernels built, and fp32 or
     (bf16 and a CPU with bf16 dot products)."""
@@ -79,12 +91,13 @@ def resolve_linear_backend(requested: str, device: torch.device, dtype: torch.dt
     """ "auto" -> "cpu" (AVX-512, fp32), else "onednn" (CPU, fp32/bf16), else "torch"."""
     if requested not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {requested!r}.")
-    onednn_usable = device.type == "cpu" and dtype in _ONEDNN_DTYPES and onednn_available()
+    onednn_usable = device.type == "cpu" and onednn_supports(dtype)
     if requested == "onednn" and not onednn_usable:
         raise ValueError(
             f"linear_backend='onednn' needs a CPU device, dtype float32 or bfloat16 and a torch "
-            f"built with oneDNN; got device={device.type}, dtype={dtype}, "
-            f"oneDNN available={onednn_available()}."
+            f"built with oneDNN (and, for bfloat16, a CPU with AVX-512 or AVX-NE-CONVERT); got "
+            f"device={device.type}, dtype={dtype}, oneDNN available={onednn_available()}, "
+            f"oneDNN runs {dtype} here={onednn_supports(dtype)}."
         )
     if requested == "cpu" and not cpu_gemm_usable(device, dtype):
         raise ValueError(
