@@ -32,8 +32,8 @@ from nanoengine.model_executor.layers.cpu_linear import (
     bf16_gemm_kernels,
     cpu_gemm_usable,
     cpu_linear,
-    onednn_supports,
     onednn_linear,
+    onednn_supports,
     pack_cpu_weight,
     pack_weight,
 )
