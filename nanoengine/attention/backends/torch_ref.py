@@ -41,15 +41,17 @@ def write_to_kv_cache(
 ) -> None:
     """Scatter key/value [num_tokens, num_kv_heads, head_dim] into their slots.
 
-    ``kv_cache`` is [2, num_blocks, block_size, num_kv_heads, head_dim]; viewing
-    each half as [num_blocks * block_size, ...] makes a slot id a plain row index.
+    ``kv_cache`` is [2, num_blocks, block_size, num_kv_heads, head_dim]; a slot
+    id names block ``slot // block_size``, row ``slot % block_size``. The write
+    indexes (block, row) rather than flattening the two dims into one slot
+    dim: a hybrid model's attention cache keeps K and V of one block side by
+    side (see ``worker/kv_cache_tensors.py``), and its blocks then cannot be viewed
+    as one run of rows -- flattening would silently write into a copy.
     """
-    key_rows = kv_cache[0].flatten(0, 1)  # [num_slots, num_kv_heads, head_dim], a view
-    value_rows = kv_cache[1].flatten(0, 1)
-    # index_copy_ moves whole rows; ``rows[slots] = x`` (index_put) is a generic
-    # element-wise scatter and several times slower on CPU.
-    key_rows.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    value_rows.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    block_size = kv_cache.shape[2]
+    blocks, rows = slot_mapping // block_size, slot_mapping % block_size
+    kv_cache[0].index_put_((blocks, rows), key.to(kv_cache.dtype))
+    kv_cache[1].index_put_((blocks, rows), value.to(kv_cache.dtype))
 
 
 def gather_kv(cache_half: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

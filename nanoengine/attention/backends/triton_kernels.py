@@ -77,7 +77,14 @@ def reshape_and_cache(
         return
     key = key.contiguous()
     value = value.contiguous()
-    # A slot is one [Hkv, D] row of the flattened [num_blocks * block_size, Hkv, D] half.
+    # A slot is one [Hkv, D] row of the flattened [num_blocks * block_size, Hkv, D] half;
+    # that needs each half to be one run of rows (a hybrid model's shared pages are not).
+    if not kv_cache[0].is_contiguous():
+        raise ValueError(
+            "The Triton attention backend needs each layer's K and V halves contiguous; this cache "
+            f"has strides {tuple(kv_cache.stride())} (a hybrid model's shared pages). "
+            "Use attention_backend='torch' for it."
+        )
     key_rows = kv_cache[0].flatten(0, 1)
     value_rows = kv_cache[1].flatten(0, 1)
     row = key.shape[1] * key.shape[2]

@@ -27,19 +27,24 @@
 #include <vector>
 
 // key/value [num_tokens, Hkv, D] -> rows slot_mapping[t] of the caches
-// [num_blocks * block_size, Hkv, D]. A slot < 0 marks padding: nothing written.
-// The cache has the model's dtype (fp32 or bf16), so a row is copied as bytes.
+// [num_blocks, block_size, Hkv, D]: block slot / block_size, row slot %
+// block_size. A slot < 0 marks padding: nothing written. The cache has the
+// model's dtype (fp32 or bf16), so a row is copied as bytes.
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
                        torch::Tensor value_cache, torch::Tensor slot_mapping) {
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the caches must be contiguous");
+  check_paged_cache(key_cache, key_cache.scalar_type(), "key_cache");
+  check_paged_cache(value_cache, key_cache.scalar_type(), "value_cache");
+  TORCH_CHECK(key_cache.strides() == value_cache.strides(), "key_cache and value_cache must share one layout");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
   const int64_t num_tokens = slot_mapping.size(0);
-  const int64_t row_bytes = key_cache.size(-2) * key_cache.size(-1) * key_cache.element_size();  // one slot
+  const int64_t item = key_cache.element_size();
+  const int64_t block_size = key_cache.size(1);
+  const int64_t row_bytes = key_cache.stride(1) * item;  // one slot: Hkv * D elements
+  const int64_t block_bytes = key_cache.stride(0) * item;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   // The projections hand over strided views (k and v are slices of one qkv
   // row), so rows are read through their own strides, heads*dim contiguous.
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type(),
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
               "key, value and the caches must share one dtype; got ", key.scalar_type(), " and ",
               key_cache.scalar_type());
   TORCH_CHECK(key.stride(-1) == 1 && key.stride(-2) == key.size(-1), "key rows must be dense per token");
@@ -48,11 +53,11 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
   const auto* v = static_cast<const char*>(value.data_ptr());
   auto* kc = static_cast<char*>(key_cache.data_ptr());
   auto* vc = static_cast<char*>(value_cache.data_ptr());
-  const int64_t item = key.element_size();
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (slots[t] < 0) continue;
-    std::memcpy(kc + slots[t] * row_bytes, k + t * key.stride(0) * item, row_bytes);
-    std::memcpy(vc + slots[t] * row_bytes, v + t * value.stride(0) * item, row_bytes);
+    const int64_t offset = slots[t] / block_size * block_bytes + slots[t] % block_size * row_bytes;
+    std::memcpy(kc + offset, k + t * key.stride(0) * item, row_bytes);
+    std::memcpy(vc + offset, v + t * value.stride(0) * item, row_bytes);
   }
 }
 
@@ -167,7 +172,8 @@ void attend_heads(T* out, const T* q, int64_t head_dim, int64_t num_heads, const
 }
 
 // One query token per request. query/out [B, Hq, D]; caches
-// [num_blocks, block_size, Hkv, D], all fp32 or all bf16; block_table
+// [num_blocks, block_size, Hkv, D] (dense rows, see check_paged_cache), all
+// fp32 or all bf16; block_table
 // [>=B, max_blocks] int32; seq_lens [B] int32 (keys each query sees, its own
 // included).
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
@@ -180,12 +186,13 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
     using scalar_t = decltype(zero);
     check_contiguous_as(out, query.scalar_type(), "out");
     check_contiguous_as(query, query.scalar_type(), "query");
-    check_contiguous_as(key_cache, query.scalar_type(), "key_cache");
-    check_contiguous_as(value_cache, query.scalar_type(), "value_cache");
+    check_paged_cache(key_cache, query.scalar_type(), "key_cache");
+    check_paged_cache(value_cache, query.scalar_type(), "value_cache");
     const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
     const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
     const int64_t group = num_heads / num_kv_heads;  // query heads sharing one KV head (GQA)
     const int64_t row_stride = num_kv_heads * head_dim;  // elements from one token's row to the next
+    const int64_t block_stride = key_cache.stride(0);     // ... and from one block to the next
     const int64_t table_stride = block_table.stride(0);
     const int32_t* table = block_table.data_ptr<int32_t>();
     const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -211,8 +218,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
       const int32_t* blocks = table + b * table_stride;
       for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
         const int64_t offset = (b * num_heads + kv_head * group) * head_dim;
-        const PagedRows<scalar_t> keys{kc + kv_head * head_dim, blocks, block_size, row_stride, len};
-        const PagedRows<scalar_t> values{vc + kv_head * head_dim, blocks, block_size, row_stride, len};
+        const PagedRows<scalar_t> keys{kc + kv_head * head_dim, blocks, block_size, row_stride, block_stride, len};
+        const PagedRows<scalar_t> values{vc + kv_head * head_dim, blocks, block_size, row_stride, block_stride, len};
         attend_heads(o_all + offset, q_all + offset, head_dim, group, keys, values, fscale, scores.data());
       }
     });

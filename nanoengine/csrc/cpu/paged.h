@@ -70,12 +70,24 @@ inline float exp_and_sum(float* p, int64_t len, float max_score) {
 
 // One KV head's rows of one request, seen through its block table. T is the
 // cache's element type: float, or BFloat16 (half the bytes to read).
+// block_stride is block_size * row_stride for a cache of its own; a hybrid
+// model's attention layer shares its pages with state layers, and there K and
+// V of one block lie side by side, so the next K block starts 2x further on.
 template <typename T>
 struct PagedRows {
   const T* base;  // this KV head's slice of token 0 of block 0
   const int32_t* blocks;
-  int64_t block_size, row_stride, len;
+  int64_t block_size, row_stride, block_stride, len;
 };
+
+// The K (or V) half of a paged cache, [num_blocks, block_size, Hkv, D]: the
+// rows of a block must be dense (Hkv * D elements apart), the blocks may lie
+// any fixed distance apart (stride(0), see PagedRows).
+inline void check_paged_cache(const torch::Tensor& t, torch::ScalarType type, const char* name) {
+  TORCH_CHECK(t.scalar_type() == type, name, " must be ", type, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1 && t.stride(2) == t.size(3) && t.stride(1) == t.size(2) * t.size(3),
+              name, " must be [num_blocks, block_size, heads, head_dim] with dense rows in each block");
+}
 
 // Blocks ahead of the one being read whose rows are prefetched. Blocks lie
 // anywhere in the cache, so the hardware prefetcher (which follows sequential
@@ -88,7 +100,7 @@ constexpr int64_t kPrefetchBlocks = 2;
 template <typename T, typename Visit>
 inline void for_each_row(const PagedRows<T>& rows, int64_t width, Visit visit) {
   const int64_t num_blocks = (rows.len + rows.block_size - 1) / rows.block_size;
-  auto block_start = [&](int64_t i) { return rows.base + static_cast<int64_t>(rows.blocks[i]) * rows.block_size * rows.row_stride; };
+  auto block_start = [&](int64_t i) { return rows.base + static_cast<int64_t>(rows.blocks[i]) * rows.block_stride; };
   auto rows_in = [&](int64_t i) { return std::min(rows.block_size, rows.len - i * rows.block_size); };
   for (int64_t i = 0; i < num_blocks; ++i) {
     if (i + kPrefetchBlocks < num_blocks) {

@@ -167,6 +167,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
   TORCH_CHECK(paged_prefill_supports(head_dim), "head_dim must be a multiple of ", kKeyChunk, ", got ", head_dim);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = key_cache.stride(0);  // see PagedRows
   const int64_t num_reqs = seq_lens.size(0);
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -176,8 +177,8 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
   dispatch_float_bf16(query.scalar_type(), "paged_prefill_attention", [&](auto zero) {
     using scalar_t = decltype(zero);
     check_contiguous_as(out, query.scalar_type(), "out");
-    check_contiguous_as(key_cache, query.scalar_type(), "key_cache");
-    check_contiguous_as(value_cache, query.scalar_type(), "value_cache");
+    check_paged_cache(key_cache, query.scalar_type(), "key_cache");
+    check_paged_cache(value_cache, query.scalar_type(), "value_cache");
     const scalar_t* kc = key_cache.data_ptr<scalar_t>();
     const scalar_t* vc = value_cache.data_ptr<scalar_t>();
     // Work items: (request, KV head); cost ~ query rows x keys.
@@ -188,8 +189,8 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
       if (q_len <= 0) continue;
       const int32_t* blocks = table + r * block_table.stride(0);
       for (int64_t g = 0; g < num_kv_heads; ++g) {
-        const PagedRows<scalar_t> keys{kc + g * head_dim, blocks, block_size, row_stride, seq_len};
-        const PagedRows<scalar_t> values{vc + g * head_dim, blocks, block_size, row_stride, seq_len};
+        const PagedRows<scalar_t> keys{kc + g * head_dim, blocks, block_size, row_stride, block_stride, seq_len};
+        const PagedRows<scalar_t> values{vc + g * head_dim, blocks, block_size, row_stride, block_stride, seq_len};
         items.push_back(PrefillItem<scalar_t>{query.data_ptr<scalar_t>() + qsl[r] * query.stride(0),
                                               query.stride(0),
                                               out.data_ptr<scalar_t>() + qsl[r] * num_heads * head_dim, g * group,

@@ -1,0 +1,89 @@
+"""From raw page buffers to the tensors each layer reads: paged K/V, or a state.
+
+Chapter 4 (how a hybrid model's layers share one pool of pages) and chapter 6
+(``initialize_kv_cache``). vLLM 0.32 counterpart: ``GPUModelRunner`` in
+``vllm/v1/worker/gpu_model_runner.py`` (``_allocate_kv_cache_tensors``,
+``_reshape_kv_cache_tensors`` and ``_update_hybrid_attention_mamba_layout``).
+
+A model with full attention only gives every layer a cache of its own,
+[2, num_blocks, block_size, Hkv, D]: all K blocks, then all V blocks. A hybrid
+model (Qwen3.5: Gated DeltaNet layers beside full-attention ones) cannot afford
+that: its layers are split into groups of equal size, and layer j of *every*
+group shares one buffer of ``num_blocks`` pages. A block id belongs to one
+group at a time, so page ``b`` of the buffer is either K/V rows of an attention
+layer or the recurrent state of a state layer, never both.
+
+Sharing pages fixes two things about the layout:
+
+* **A page is one block of every kind.** The attention view puts the K rows of
+  block ``b`` and its V rows side by side in page ``b`` ([num_blocks, 2, ...],
+  transposed back to the usual [2, num_blocks, ...] shape), where a cache of its
+  own keeps all K blocks before all V blocks. The K half then has a block
+  stride of twice a half page; the attention kernels take that stride.
+* **A state layer's states lie one after another in its page**: the conv
+  state, then the recurrent (SSM) state, each viewed as [num_blocks, *shape].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def new_page_buffer(num_blocks: int, page_size_bytes: int, device: torch.device) -> torch.Tensor:
+    """Zeroed bytes for ``num_blocks`` pages, [num_blocks, page_size_bytes] uint8.
+
+    Zeros matter for attention (a never-written slot must be finite, see
+    ``torch_ref.py``); state layers start a request from zeros themselves.
+    """
+    return torch.zeros((num_blocks, page_size_bytes), dtype=torch.uint8, device=device)
+
+
+def attention_view(
+    pages: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[2, num_blocks, block_size, Hkv, D] over ``pages``, K and V of a block in one page.
+
+    ``pages`` [num_blocks, page_bytes] uint8; the attention rows take the first
+    2 * block_size * Hkv * D elements of each page (page-size unification may
+    have made the page a little larger than that).
+    """
+    num_blocks = pages.shape[0]
+    rows = _typed_slice(pages, 0, 2 * block_size * num_kv_heads * head_dim, dtype)
+    # [num_blocks, 2, bs, Hkv, D] -> [2, num_blocks, bs, Hkv, D]: the shape every
+    # backend expects; only the stride of the block dim differs from a private cache.
+    return rows.view(num_blocks, 2, block_size, num_kv_heads, head_dim).transpose(0, 1)
+
+
+def state_views(
+    pages: torch.Tensor, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """One [num_blocks, *shape] view per state shape, packed one after another in each page.
+
+    For a Gated DeltaNet layer: (conv state [conv_dim, kernel - 1], recurrent
+    state [v_heads, k_dim, v_dim]).
+    """
+    num_blocks = pages.shape[0]
+    views: list[torch.Tensor] = []
+    offset = 0  # in elements of dtype
+    for shape in shapes:
+        numel = math.prod(shape)
+        views.append(_typed_slice(pages, offset, numel, dtype).view(num_blocks, *shape))
+        offset += numel
+    return tuple(views)
+
+
+def _typed_slice(pages: torch.Tensor, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Elements [start, start + numel) of every page as ``dtype``: [num_blocks, numel]."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    end_byte = (start + numel) * itemsize
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] % itemsize:
+        raise ValueError(
+            f"pages must be [num_blocks, page_bytes] uint8 with page_bytes a multiple of {itemsize}; "
+            f"got {tuple(pages.shape)} {pages.dtype}."
+        )
+    if end_byte > pages.shape[1]:
+        raise ValueError(f"A page of {pages.shape[1]} bytes cannot hold {end_byte} bytes of {dtype} views.")
+    # Reinterpret whole pages first (a view of the last, contiguous dim), then cut.
+    return pages.view(dtype)[:, start : start + numel]
