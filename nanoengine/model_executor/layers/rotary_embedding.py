@@ -14,6 +14,10 @@ Positions come in explicitly, one per token. That is the whole trick that lets a
 flattened batch mix requests at different offsets: token t of the batch is
 rotated by ``positions[t]``, whatever request it belongs to.
 
+*Partial* rotary (``partial_rotary_factor`` < 1, Qwen3.5: 0.25) rotates only
+the first ``rotary_dim`` dims of each head, pairing i with i + rotary_dim/2; the
+remaining dims pass through unrotated and carry no position at all.
+
 vLLM precomputes a cos/sin table up to ``max_position_embeddings``. The plain
 torch path here computes cos and sin for just this step's positions instead (no
 table to size); the C++ CPU kernel (``use_cpu_kernels``) reads a table, built
@@ -39,15 +43,21 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 class RotaryEmbedding(CustomOp):
     """Applies RoPE to flattened query and key heads given per-token positions."""
 
-    inv_freq: torch.Tensor  # [head_dim // 2] fp32, registered as a buffer
+    inv_freq: torch.Tensor  # [rotary_dim // 2] fp32, registered as a buffer
 
-    def __init__(self, head_dim: int, inv_freq: torch.Tensor, max_positions: int = 2048) -> None:
+    def __init__(
+        self, head_dim: int, inv_freq: torch.Tensor, max_positions: int = 2048, rotary_dim: int | None = None
+    ) -> None:
         super().__init__()
-        if inv_freq.shape != (head_dim // 2,):
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}.")
+        if inv_freq.shape != (rotary_dim // 2,):
             raise ValueError(
-                f"inv_freq must have head_dim // 2 = {head_dim // 2} entries, got {tuple(inv_freq.shape)}."
+                f"inv_freq must have rotary_dim // 2 = {rotary_dim // 2} entries, got {tuple(inv_freq.shape)}."
             )
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
         # Not persistent: it is derived from the config, never read from a checkpoint
         # (some old checkpoints do carry it; the loader skips those entries).
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -56,7 +66,11 @@ class RotaryEmbedding(CustomOp):
         self.cos_sin_cache: torch.Tensor | None = None
 
     def prepare_cpu_kernels(self) -> None:
-        self.cos_sin_cache = cos_sin_table(self.max_positions, tuple(self.inv_freq.tolist()))
+        # The kernel rotates whole heads (it reads head_dim as both the head
+        # stride and the rotated width), so partial rotary keeps the torch path:
+        # with no table, forward never calls the kernel.
+        if self.rotary_dim == self.head_dim:
+            self.cos_sin_cache = cos_sin_table(self.max_positions, tuple(self.inv_freq.tolist()))
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -70,9 +84,9 @@ class RotaryEmbedding(CustomOp):
         if self.use_cpu_kernels and self.cos_sin_cache is not None:
             load_cpu_ops().rotary_embedding(positions.long(), query, key, self.cos_sin_cache, self.head_dim)
             return query, key
-        # [num_tokens, head_dim // 2] angles, in fp32 whatever the model dtype
+        # [num_tokens, rotary_dim // 2] angles, in fp32 whatever the model dtype
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        # [num_tokens, 1, head_dim // 2]: the middle axis broadcasts over heads
+        # [num_tokens, 1, rotary_dim // 2]: the middle axis broadcasts over heads
         cos = angles.cos().to(query.dtype)[:, None, :]
         sin = angles.sin().to(query.dtype)[:, None, :]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
@@ -80,10 +94,13 @@ class RotaryEmbedding(CustomOp):
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # [num_tokens, heads * head_dim] -> [num_tokens, heads, head_dim]
         heads = x.unflatten(-1, (-1, self.head_dim))
-        # Neox layout: element i pairs with element i + head_dim/2 (HF's rotate_half),
+        # Partial rotary: only the leading rotary_dim dims of each head turn
+        # (rest is empty when rotary_dim == head_dim).
+        rot, rest = heads.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        # Neox layout: element i pairs with element i + rotary_dim/2 (HF's rotate_half),
         # not with its neighbour i + 1 (the original GPT-J layout).
-        x1, x2 = heads.chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = rot.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
         return rotated.flatten(-2)
 
 
@@ -99,9 +116,10 @@ def cos_sin_table(max_positions: int, inv_freq: tuple[float, ...]) -> torch.Tens
     return torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
 
 
-def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    """[head_dim // 2] fp32: theta^(-2i / head_dim), the original RoPE frequencies."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+def default_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
+    """[rotary_dim // 2] fp32: theta^(-2i / rotary_dim), the original RoPE frequencies
+    (rotary_dim is the head size unless the rotary is partial)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     return 1.0 / (theta**exponents)
 
 
@@ -155,10 +173,9 @@ def get_rope(head_dim: int, hf_config: Any) -> RotaryEmbedding:
             f"rope_type '{rope_type}' is not supported by nanoengine. "
             f"Supported: {list(SUPPORTED_ROPE_TYPES)}."
         )
-    partial = float(params.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor {partial} is not supported; only 1.0 (rotate all dims).")
-    inv_freq = default_inv_freq(head_dim, float(params["rope_theta"]))
+    # HF truncates head_dim * factor to an int, and so does vLLM.
+    rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+    inv_freq = default_inv_freq(rotary_dim, float(params["rope_theta"]))
     if rope_type == "llama3":
         inv_freq = llama3_inv_freq(inv_freq, params)
-    return RotaryEmbedding(head_dim, inv_freq, trained_context_len(hf_config))
+    return RotaryEmbedding(head_dim, inv_freq, trained_context_len(hf_config), rotary_dim)
