@@ -43,3 +43,8 @@ class AttentionMetadata:
     # must not read Python lists (CUDA graphs) take it from here; None means
     # "derive it from query_start_loc" (the Triton backend does).
     token_to_req: torch.Tensor | None = None
+    # Hybrid models only (Qwen3.5): the state slot of each request, one row per
+    # state group; a Gated DeltaNet layer of group g keeps request i's conv and
+    # recurrent state at slot state_indices[g, i] of its state tensors. None for
+    # models without such layers. [num_state_groups, num_reqs] int64, on device.
+    state_indices: torch.Tensor | None = None
