@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig
 
 from nanoengine.model_executor.layers.cpu_linear import process_weights_after_loading
@@ -26,8 +27,7 @@ from nanoengine.model_executor.model_loader.weight_utils import (
     safetensors_files,
     safetensors_weights_iterator,
 )
-from nanoengine.model_executor.models.llama import LlamaForCausalLM
-from nanoengine.model_executor.models.registry import get_model_class
+from nanoengine.model_executor.models.registry import CausalLM, get_model_class
 
 
 @contextmanager
@@ -47,14 +47,15 @@ def get_model(
     dtype: torch.dtype,
     device: torch.device,
     linear_backend: str = "torch",
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The ready-to-run model: weights loaded, in eval mode, gradients off.
 
     ``linear_backend`` is a resolved name ("torch", "onednn" or "cpu", see
     ``resolve_linear_backend``); "torch" leaves the plain weights in place.
 
-    Typed as ``LlamaForCausalLM`` because every supported family is one (Qwen2 and
-    Qwen3 subclass it); callers get ``compute_logits``/``load_weights`` typed.
+    Typed as the registry's ``CausalLM`` protocol (forward, compute_logits,
+    load_weights): the Llama family and the hybrid Qwen3.5 share no base class.
+    Every one is an ``nn.Module`` too; ``isinstance(model, nn.Module)`` tells mypy so.
     """
     if not dtype.is_floating_point:
         raise TypeError(f"Model dtype must be a floating-point dtype, got {dtype}.")
@@ -65,6 +66,8 @@ def get_model(
     # device, already in the dtype, waiting for the checkpoint to fill them.
     with default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config)
+    # Narrows the protocol to "CausalLM and nn.Module" for the calls below.
+    assert isinstance(model, nn.Module), f"{model_cls.__name__} must be an nn.Module"
     model.load_weights(safetensors_weights_iterator(model_path))
     model.eval()
     model.requires_grad_(False)
