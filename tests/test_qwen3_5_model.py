@@ -5,12 +5,14 @@ engine's way, over a paged KV cache (full-attention layers) and per-request
 state slots (Gated DeltaNet layers), with metadata built here step by step.
 Its logits must match HF's full-sequence forward for a prompt prefilled at
 once, in chunks across steps, in mixed batches, and its greedy decode must
-match HF's ``generate``. Also: partial rotary against HF's mrope, the
+match HF's ``generate``; in bf16 it must stay as close to those fp32 logits
+as HF's own bf16 model. Also: partial rotary against HF's mrope, the
 multimodal checkpoint layout, and the registry entries.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass, field
 
@@ -27,6 +29,7 @@ from nanoengine.attention.selector import get_attention_impl
 from nanoengine.model_executor.custom_op import enable_cpu_kernels
 from nanoengine.model_executor.layers.mamba.gdn import GatedDeltaNetAttention, bind_mamba_state
 from nanoengine.model_executor.layers.rotary_embedding import get_rope
+from nanoengine.model_executor.model_loader.loader import default_dtype
 from nanoengine.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanoengine.model_executor.models.registry import get_model_class
 
@@ -104,14 +107,16 @@ class Req:
 class Engine:
     """Our model with its paged caches and state slots, driven step by step."""
 
-    def __init__(self, model: Qwen3_5ForCausalLM, backend: str) -> None:
+    def __init__(self, model: Qwen3_5ForCausalLM, backend: str, dtype: torch.dtype = torch.float32) -> None:
+        """KV caches and states in ``dtype``, the model's (the engine keeps them so)."""
         self.model = model
         set_attention_impl(model, get_attention_impl(backend))
         if backend == "cpu":
             enable_cpu_kernels(model)  # as the model runner does; partial RoPE must stay torch
         attn = [m for m in model.modules() if isinstance(m, Attention)]
         bind_kv_cache(
-            model, [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, m.num_kv_heads, m.head_dim) for m in attn]
+            model,
+            [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, m.num_kv_heads, m.head_dim, dtype=dtype) for m in attn],
         )
         # NaN in every slot: a request starting from zero must never read its slot.
         states = []
@@ -119,7 +124,10 @@ class Engine:
             conv_shape, ssm_shape = layer.get_state_shapes()
             nan = float("nan")
             states.append(
-                (torch.full((NUM_SLOTS, *conv_shape), nan), torch.full((NUM_SLOTS, *ssm_shape), nan))
+                (
+                    torch.full((NUM_SLOTS, *conv_shape), nan, dtype=dtype),
+                    torch.full((NUM_SLOTS, *ssm_shape), nan, dtype=dtype),
+                )
             )
         bind_mamba_state(model, states)
         # Blocks handed out shuffled, so a request's blocks are not contiguous.
@@ -264,6 +272,31 @@ def test_step_mixing_decodes_and_prefills(hf_models: dict, pattern: str, backend
     engine.step([(a, 1), (b, 1), (one, 1), (c, 25), (new, 19)])
     for req in (a, b, c, one, new):
         assert_matches_hf(hf_models[pattern], req)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_is_as_close_to_fp32_as_hf_bf16(hf_models: dict, backend: str) -> None:
+    """In bf16 (weights, activations, KV cache and states), a chunked prefill and
+    decodes stay as close to HF's fp32 logits as HF's own bf16 model does."""
+    hf = hf_models["LLLF"]
+    with default_dtype(torch.bfloat16):
+        model = load_ours(hf, hf.config)
+    engine = Engine(model, backend, torch.bfloat16)
+    req = engine.add(prompt(40, seed=50))
+    engine.step([(req, 25)])
+    engine.step([(req, 15)])
+    for _ in range(4):
+        req.token_ids.append(int(req.logits[-1].argmax()))
+        engine.step([(req, 1)])
+    token_ids = req.token_ids[: req.num_computed]
+    expected = hf_logits(hf, token_ids)
+    with torch.no_grad():
+        hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor([token_ids])).logits[0].float()
+    hf_error = (hf_bf16 - expected).abs().max()
+    assert (torch.stack(req.logits) - expected).abs().max() <= 1.5 * hf_error
+    gdn = next(m for m in model.modules() if isinstance(m, GatedDeltaNetAttention))
+    assert gdn.ssm_state.dtype == gdn.conv_state.dtype == torch.bfloat16
+    assert gdn.ssm_state[req.slot].isfinite().all()
 
 
 def test_partial_rotary_equals_hf_mrope_on_text_positions() -> None:
