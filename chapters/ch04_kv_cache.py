@@ -52,7 +52,8 @@ def block_table(scheduler: Scheduler, request_id: str) -> Table:
     table = Table(title=f"block table of request {request_id!r} (block_size={manager.block_size})")
     for column in ("#", "block id", "tokens", "ref_cnt", "hash"):
         table.add_column(column)
-    for index, block in enumerate(manager.coordinator.get_blocks(request_id)):
+    (blocks,) = manager.coordinator.get_blocks(request_id)  # one KV cache group
+    for index, block in enumerate(blocks):
         first = index * manager.block_size
         digest = block.block_hash.hex()[:10] if block.block_hash is not None else "(not full yet)"
         table.add_row(
@@ -80,10 +81,8 @@ def shared_system_prompt(args: argparse.Namespace, bs: int) -> tuple[list[int], 
     engine.add_request("b", prompts[1], params)
     engine.step()
     console.print(block_table(scheduler, "a"), block_table(scheduler, "b"))
-    shared = sorted(
-        set(scheduler.kv_cache_manager.get_block_ids("a"))
-        & set(scheduler.kv_cache_manager.get_block_ids("b"))
-    )
+    (a_blocks,), (b_blocks,) = (scheduler.kv_cache_manager.get_block_ids(rid) for rid in ("a", "b"))
+    shared = sorted(set(a_blocks) & set(b_blocks))
     llm.generate(prompts[2:], params, use_tqdm=False)  # steps a and b to the end too
     trace = llm.trace
     assert trace is not None

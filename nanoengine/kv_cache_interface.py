@@ -13,6 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The KV cache group whose block tables paged attention reads. Block ids travel
+# as one list per group (vLLM's ``tuple[list[int], ...]``); every model
+# nanoengine serves has one group, group 0, holding all its layers.
+FULL_ATTENTION_GROUP = 0
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec:

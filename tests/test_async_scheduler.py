@@ -62,7 +62,7 @@ def test_placeholders_count_up_on_schedule_and_down_on_output() -> None:
     assert second.num_scheduled_tokens == {"r": 1}
     assert second.scheduled_cached_reqs.num_output_tokens == [1]  # the placeholder the worker fills in
     assert request.num_output_placeholders == 2 and request.num_computed_tokens == 7
-    assert len(scheduler.kv_cache_manager.get_block_ids("r")) == 2  # 7 slots of 4
+    assert len(scheduler.kv_cache_manager.get_block_ids("r")[0]) == 2  # 7 slots of 4
     outputs = scheduler.update_from_output(first, sampled(first, {"r": 11}))
     assert request.num_output_placeholders == 1 and request.output_token_ids == [11]
     assert [out.new_token_ids for out in outputs.outputs] == [[11]]

@@ -21,6 +21,7 @@ import torch
 from nanoengine import LLM, SamplingParams
 from nanoengine.attention.backends.triton_attn import TritonAttentionImpl
 from nanoengine.attention.layer import bind_kv_cache, set_attention_impl
+from nanoengine.kv_cache_interface import FULL_ATTENTION_GROUP
 from nanoengine.model_executor.model_loader import get_model
 from nanoengine.sampling_params import SamplingParams as Params
 from nanoengine.transformers_utils.config import get_hf_config
@@ -68,9 +69,9 @@ def test_padded_decode_batch_matches_unpadded(tiny_llama: str) -> None:
     bind_kv_cache(model, caches)
     params = Params(temperature=0.0, max_tokens=4)
     states = [
-        CachedRequestState("a", [5, 6, 7, 8, 9], 5, params, [1, 2], 0),
-        CachedRequestState("b", [10, 11, 12], 3, params, [3], 0),
-        CachedRequestState("c", [13, 14, 15, 16, 17, 18], 6, params, [4, 5], 0),
+        CachedRequestState("a", [5, 6, 7, 8, 9], 5, params, ([1, 2],), 0),
+        CachedRequestState("b", [10, 11, 12], 3, params, ([3],), 0),
+        CachedRequestState("c", [13, 14, 15, 16, 17, 18], 6, params, ([4, 5],), 0),
     ]
     # Prefill all but the last token of each, then decode that token.
     with torch.inference_mode():
@@ -99,7 +100,7 @@ def test_padded_decode_batch_matches_unpadded(tiny_llama: str) -> None:
 
 
 def _step_inputs(states: list[CachedRequestState], num: list[int], block_size: int):  # type: ignore[no-untyped-def]
-    inputs = prepare_inputs(states, num, block_size, torch.device("cpu"))
+    inputs = prepare_inputs(states, num, block_size, torch.device("cpu"), FULL_ATTENTION_GROUP)
     return inputs.input_ids, inputs.positions, inputs.attn_metadata, inputs
 
 

@@ -47,16 +47,16 @@ def run_prefill(manager: KVCacheManager, request: Request) -> KVCacheBlocks:
 def test_decode_allocates_only_at_block_boundaries() -> None:
     manager = make_manager(num_blocks=8)
     request = make_request("r", [1, 2, 3, 4])
-    assert len(run_prefill(manager, request).blocks) == 1
+    assert run_prefill(manager, request).get_block_ids() == ([1],)  # one group, one block
 
     request.append_output_token_ids(5)  # token 5 starts the second block
     new_blocks = manager.allocate_slots(request, 1)
-    assert new_blocks is not None and len(new_blocks.blocks) == 1
+    assert new_blocks is not None and new_blocks.get_block_ids() == ([2],)
     request.num_computed_tokens += 1
 
     request.append_output_token_ids(6)  # still fits the second block
-    assert manager.allocate_slots(request, 1) == KVCacheBlocks([])
-    assert len(manager.get_block_ids("r")) == 2
+    assert manager.allocate_slots(request, 1) == KVCacheBlocks(([],))
+    assert manager.get_block_ids("r") == ([1, 2],)
     assert manager.num_free_blocks == 8 - 1 - 2
 
 
@@ -69,28 +69,28 @@ def test_fully_cached_prompt_recomputes_its_last_token() -> None:
     # Same 8-token prompt: both blocks are cached, but the last token must run
     # again for logits, and whole blocks only -> the second block is recomputed.
     hit_blocks, num_cached = manager.get_computed_blocks(make_request("b", list(range(8))))
-    assert (len(hit_blocks.blocks), num_cached) == (1, 4)
+    assert (len(hit_blocks.blocks[0]), num_cached) == (1, 4)
     # One more token: both full blocks can be served, one token computed.
     hit_blocks, num_cached = manager.get_computed_blocks(make_request("c", list(range(9))))
-    assert (len(hit_blocks.blocks), num_cached) == (2, 8)
+    assert (len(hit_blocks.blocks[0]), num_cached) == (2, 8)
 
 
 def test_prefix_hit_after_free_reuses_the_same_blocks() -> None:
     manager = make_manager(num_blocks=8)
     first = make_request("a", list(range(12)))
     run_prefill(manager, first)
-    first_ids = manager.get_block_ids("a")
+    (first_ids,) = manager.get_block_ids("a")
     manager.free(first)
     assert manager.num_free_blocks == 7 and manager.usage == 0.0
 
     second = make_request("b", list(range(8)) + [100, 101, 102])
     hit_blocks, num_cached = manager.get_computed_blocks(second)
-    assert num_cached == 8 and hit_blocks.get_block_ids() == first_ids[:2]
+    assert num_cached == 8 and hit_blocks.get_block_ids() == (first_ids[:2],)
     run_prefill(manager, second)
-    assert manager.get_block_ids("b")[:2] == first_ids[:2]
+    assert manager.get_block_ids("b")[0][:2] == first_ids[:2]
     # Two revived blocks plus one fresh block for tokens 8..10.
     assert manager.num_free_blocks == 7 - 3
-    assert hit_blocks.blocks[0].ref_cnt == 1
+    assert hit_blocks.blocks[0][0].ref_cnt == 1
 
     # Three lookups: "a" (all miss), then "b" twice (here and in run_prefill).
     stats = manager.prefix_cache_stats
@@ -102,7 +102,7 @@ def test_allocate_slots_returns_none_and_changes_nothing_when_full() -> None:
     run_prefill(manager, make_request("a", list(range(12))))  # 3 blocks
     big = make_request("b", list(range(50, 58)))  # needs 2 blocks, 1 is free
     assert manager.allocate_slots(big, 8) is None
-    assert manager.get_block_ids("b") == []
+    assert manager.get_block_ids("b") == ([],)
     assert manager.num_free_blocks == 1
 
 
@@ -119,7 +119,8 @@ def test_cache_hits_on_free_blocks_count_as_allocations() -> None:
     hit_blocks, num_cached = manager.get_computed_blocks(late)
     assert num_cached == 4
     assert manager.allocate_slots(late, 8, num_cached, hit_blocks) is None
-    assert hit_blocks.blocks[0].ref_cnt == 0 and hit_blocks.blocks[0].block_hash is not None
+    (hit,) = hit_blocks.blocks[0]
+    assert hit.ref_cnt == 0 and hit.block_hash is not None
 
 
 def test_caching_disabled_never_hits() -> None:
@@ -127,7 +128,7 @@ def test_caching_disabled_never_hits() -> None:
     first = make_request("a", list(range(8)))
     run_prefill(manager, first)
     manager.free(first)
-    assert manager.get_computed_blocks(make_request("b", list(range(9)))) == (KVCacheBlocks([]), 0)
+    assert manager.get_computed_blocks(make_request("b", list(range(9)))) == (KVCacheBlocks(([],)), 0)
     assert manager.block_pool.cached_block_hash_to_block == {}
 
 
@@ -135,7 +136,7 @@ def test_allocation_never_exceeds_max_model_len() -> None:
     manager = make_manager(num_blocks=8, max_model_len=6)
     request = make_request("r", list(range(6)))
     new_blocks = manager.allocate_slots(request, 8)  # asks past max_model_len
-    assert new_blocks is not None and len(new_blocks.blocks) == 2
+    assert new_blocks is not None and len(new_blocks.blocks[0]) == 2
 
 
 def test_reset_prefix_cache_and_bad_arguments() -> None:
@@ -171,8 +172,9 @@ def assert_block_accounting(scheduler: Scheduler) -> None:
     assert manager.num_free_blocks == len(free_ids)
     assert all(block.block_hash == h for h, block in pool.cached_block_hash_to_block.items())
     for request in scheduler.running:
-        assert len(manager.get_block_ids(request.request_id)) * BLOCK_SIZE >= request.num_computed_tokens
-    assert all(manager.get_block_ids(request.request_id) == [] for request in scheduler.waiting)
+        (block_ids,) = manager.get_block_ids(request.request_id)
+        assert len(block_ids) * BLOCK_SIZE >= request.num_computed_tokens
+    assert all(manager.get_block_ids(request.request_id) == ([],) for request in scheduler.waiting)
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -193,7 +193,7 @@ def test_logprobs_survive_the_scheduler(tiny_llama: str, hf_model: Any, scenario
 def test_worker_collects_prompt_logprobs_over_chunks_and_sends_them_once() -> None:
     """Chunks append rows; a prefill restarted at position 0 (preemption) starts over."""
     prompt = [11, 12, 13, 14, 15, 16]
-    state = CachedRequestState("r", list(prompt), len(prompt), SamplingParams(prompt_logprobs=2), [], 0)
+    state = CachedRequestState("r", list(prompt), len(prompt), SamplingParams(prompt_logprobs=2), ([],), 0)
     position_logits = torch.randn(len(prompt), 20)  # row p scores prompt token p + 1
 
     def run_chunk(num_tokens: int) -> None:
@@ -213,7 +213,7 @@ def test_worker_collects_prompt_logprobs_over_chunks_and_sends_them_once() -> No
     assert take_finished_prompt_logprobs([state]) == {}  # sent once, even if it runs again
     assert find_prompt_logprob_targets([state], [1], [0]) is None
 
-    out_of_step = CachedRequestState("q", list(prompt), len(prompt), SamplingParams(prompt_logprobs=0), [], 2)
+    out_of_step = CachedRequestState("q", list(prompt), len(prompt), SamplingParams(prompt_logprobs=0), ([],), 2)
     targets = find_prompt_logprob_targets([out_of_step], [2], [0])
     assert targets is not None
     with pytest.raises(RuntimeError, match="collected for 0 positions, but this chunk starts at position 2"):

@@ -130,13 +130,13 @@ def test_chunked_prefill_samples_only_after_the_last_chunk() -> None:
     scheduler.add_request(make_request("r", 10))
     first, outputs = step(scheduler)
     assert first.num_scheduled_tokens == {"r": 4} and outputs.outputs == []
-    assert first.scheduled_new_reqs[0].block_ids == [1]
+    assert first.scheduled_new_reqs[0].block_ids == ([1],)  # one list per KV cache group
 
     second, outputs = step(scheduler)
     assert second.num_scheduled_tokens == {"r": 4} and outputs.outputs == []
     assert second.scheduled_cached_reqs.req_ids == ["r"]
     assert second.scheduled_cached_reqs.num_computed_tokens == [4]
-    assert second.scheduled_cached_reqs.new_block_ids == [[2]]
+    assert second.scheduled_cached_reqs.new_block_ids == [([2],)]
 
     last, outputs = step(scheduler)
     assert last.num_scheduled_tokens == {"r": 2}  # the short last chunk
@@ -152,7 +152,7 @@ def test_prefill_and_decode_share_one_step() -> None:
     output, outputs = step(scheduler)
     assert output.num_scheduled_tokens == {"old": 1, "new": 6}
     assert output.scheduled_cached_reqs.req_ids == ["old"]
-    assert output.scheduled_cached_reqs.new_block_ids == [[2]]  # token 5 opens block 2
+    assert output.scheduled_cached_reqs.new_block_ids == [([2],)]  # token 5 opens block 2
     new_data = output.scheduled_new_reqs[0]
     assert (new_data.req_id, new_data.num_prompt_tokens, new_data.num_computed_tokens) == ("new", 6, 0)
     assert new_data.token_ids == list(range(300, 306))

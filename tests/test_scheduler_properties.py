@@ -53,13 +53,14 @@ class FakeWorker:
         starts: dict[str, int] = {}
         for new in output.scheduled_new_reqs:
             self.tokens[new.req_id] = list(new.token_ids)
-            self.block_ids[new.req_id] = list(new.block_ids)
+            (self.block_ids[new.req_id],) = (list(ids) for ids in new.block_ids)  # one group
             starts[new.req_id] = new.num_computed_tokens
         cached = output.scheduled_cached_reqs
         for req_id, new_blocks, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         ):
-            self.block_ids[req_id].extend(new_blocks)
+            (new_ids,) = new_blocks
+            self.block_ids[req_id].extend(new_ids)
             starts[req_id] = computed
         # All writes of the step first, then all reads, as the real runner does per layer.
         for req_id, num_tokens in output.num_scheduled_tokens.items():

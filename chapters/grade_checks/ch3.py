@@ -30,7 +30,8 @@ from nanoengine.request import Request
 
 # ------------------------------------------------------------ 3.1 StepPlan.add
 def blocks(*ids: int) -> KVCacheBlocks:
-    return KVCacheBlocks([KVCacheBlock(block_id) for block_id in ids])
+    """New blocks of a model with one KV cache group: one list."""
+    return KVCacheBlocks(([KVCacheBlock(block_id) for block_id in ids],))
 
 
 # Four bookings into a plan that starts with 100 tokens: (request, tokens, new blocks, is_new).

@@ -29,7 +29,7 @@ from chapters.grade_checks.common import (
     kv_spec,
     make_request,
 )
-from nanoengine.core.kv_cache_manager import KVCacheManager
+from nanoengine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from nanoengine.core.kv_cache_utils import NONE_HASH, FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import Request
@@ -62,14 +62,20 @@ def _manager(num_blocks: int, max_model_len: int = 64, enable_caching: bool = Tr
     return KVCacheManager(config, max_model_len=max_model_len, enable_caching=enable_caching)
 
 
-def _cached_block_ids(manager: KVCacheManager, request: Request) -> list[int]:
+def _cached_block_ids(manager: KVCacheManager, request: Request) -> tuple[list[int], ...]:
     """The blocks of ``request``'s table that are registered in the prefix cache."""
-    return [b.block_id for b in manager.coordinator.get_blocks(request.request_id) if b.block_hash is not None]
+    tables = manager.coordinator.get_blocks(request.request_id)
+    return tuple([b.block_id for b in table if b.block_hash is not None] for table in tables)
 
 
-def _hit_block_ids(manager: KVCacheManager, request: Request) -> list[int]:
+def _hit_block_ids(manager: KVCacheManager, request: Request) -> tuple[list[int], ...]:
     """Which blocks a prefix-cache lookup of ``request`` finds (the lookup claims nothing)."""
-    return block_ids(manager.get_computed_blocks(request)[0]) or []
+    return manager.get_computed_blocks(request)[0].get_block_ids()
+
+
+def _each_block(blocks: KVCacheBlocks) -> list[KVCacheBlock]:
+    """Every block of every group, in group order."""
+    return [block for group in blocks.blocks for block in group]
 
 
 def new_blocks_as_a_request_grows(model: str) -> dict[str, Any]:
@@ -122,8 +128,9 @@ def cache_hits_claimed_first(model: str) -> dict[str, Any]:
     label = f"allocate_slots(twin, {16 - num_hit_tokens} new tokens after {num_hit_tokens} hit tokens)"
     result[f"{label}: new block ids"] = block_ids(new_blocks)
     result[f"{label}: twin's whole block table"] = manager.get_block_ids("twin")
-    result[f"{label}: hit blocks' ref_cnt"] = [block.ref_cnt for block in hits.blocks]
-    result[f"{label}: hit blocks still in the prefix cache"] = [block.block_hash is not None for block in hits.blocks]
+    result[f"{label}: hit blocks' ref_cnt"] = [block.ref_cnt for block in _each_block(hits)]
+    result[f"{label}: hit blocks still in the prefix cache"] = [
+        block.block_hash is not None for block in _each_block(hits)]
     result[f"{label}: free blocks"] = manager.num_free_blocks
     return result
 
@@ -152,8 +159,9 @@ def all_or_nothing(model: str) -> dict[str, Any]:
     # of the free queue: an answer that claims before it checks leaves them held.
     label = f"allocate_slots(twin, {60 - num_hit_tokens} new tokens after {num_hit_tokens} hit tokens)"
     result[label] = block_ids(manager.allocate_slots(twin, 60 - num_hit_tokens, num_hit_tokens, hits))
-    result[f"after {label}: hit blocks' ref_cnt"] = [block.ref_cnt for block in hits.blocks]
-    result[f"after {label}: hit blocks still in the prefix cache"] = [b.block_hash is not None for b in hits.blocks]
+    result[f"after {label}: hit blocks' ref_cnt"] = [block.ref_cnt for block in _each_block(hits)]
+    result[f"after {label}: hit blocks still in the prefix cache"] = [
+        b.block_hash is not None for b in _each_block(hits)]
     result[f"after {label}: free blocks"] = manager.num_free_blocks
     result[f"after {label}: twin's block table"] = manager.get_block_ids("twin")
 

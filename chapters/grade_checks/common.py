@@ -125,7 +125,8 @@ def kv_spec(block_size: int = 4) -> FullAttentionSpec:
     return FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_dim=16, dtype_size=4, num_layers=2)
 
 
-def block_ids(blocks: KVCacheBlocks | None) -> list[int] | None:
+def block_ids(blocks: KVCacheBlocks | None) -> tuple[list[int], ...] | None:
+    """The ids as the API gives them: one list per KV cache group (one group here)."""
     return None if blocks is None else blocks.get_block_ids()
 
 

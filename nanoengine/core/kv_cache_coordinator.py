@@ -46,12 +46,12 @@ class KVCacheCoordinator(TreeNode):
         # prefix cache, so each step only registers the blocks that just filled up.
         self.num_cached_block: dict[str, int] = {}
 
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        """The request's block table (empty for an unknown request)."""
-        return self.req_to_blocks.get(request_id, [])
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        """The request's block table, one per group (empty for an unknown request)."""
+        return (self.req_to_blocks.get(request_id, []),)
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+        self, request_id: str, num_tokens: int, new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]
     ) -> int:
         """Free blocks the request would consume to hold ``num_tokens`` tokens.
 
@@ -59,31 +59,35 @@ class KVCacheCoordinator(TreeNode):
         also consumes a free block: touching it takes it out of the free queue.
         Forgetting this term would let the scheduler over-commit the pool.
         """
-        num_held = len(self.get_blocks(request_id)) + len(new_computed_blocks)
+        (hit_blocks,) = new_computed_blocks
+        num_held = len(self.req_to_blocks.get(request_id, [])) + len(hit_blocks)
         num_new_blocks = max(cdiv(num_tokens, self.block_size) - num_held, 0)
-        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        num_evictable_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
         return num_new_blocks + num_evictable_hits
 
-    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]
+    ) -> None:
         """Adopt prefix-cache hits as the start of the request's block table."""
-        if not new_computed_blocks:
+        (hit_blocks,) = new_computed_blocks
+        if not hit_blocks:
             return
         # Cache hits can only form the head of a table: they come from the first lookup.
         assert request_id not in self.req_to_blocks, f"{request_id} already has blocks"
-        self.block_pool.touch(new_computed_blocks)
-        self.req_to_blocks[request_id] = list(new_computed_blocks)
+        self.block_pool.touch(hit_blocks)
+        self.req_to_blocks[request_id] = list(hit_blocks)
         # These blocks are in the cache already; never register them twice.
-        self.num_cached_block[request_id] = len(new_computed_blocks)
+        self.num_cached_block[request_id] = len(hit_blocks)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         """Grow the request's table until it can hold ``num_tokens`` tokens."""
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(req_blocks)
         if num_new_blocks <= 0:
-            return []
+            return ([],)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
-        return new_blocks
+        return (new_blocks,)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register every block that is full once ``num_computed_tokens`` are in."""
@@ -121,8 +125,9 @@ class KVCacheCoordinator(TreeNode):
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
-    ) -> list[KVCacheBlock]:
-        """The cached blocks matching the longest prefix of ``block_hashes``.
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """The cached blocks matching the longest prefix of ``block_hashes``, and
+        the number of tokens they cover.
 
         At most ``max_length`` tokens' worth of whole blocks are returned. The
         scan stops at the first miss: a hash is chained on all earlier ones, so
@@ -135,4 +140,4 @@ class KVCacheCoordinator(TreeNode):
             if cached_block is None:
                 break
             hit_blocks.append(cached_block)
-        return hit_blocks
+        return (hit_blocks,), len(hit_blocks) * self.block_size

@@ -15,7 +15,7 @@ vLLM 0.32 counterpart: ``vllm/v1/core/kv_cache_manager.py`` (``KVCacheManager``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nanoengine.core.kv_cache_coordinator import KVCacheCoordinator
 from nanoengine.core.kv_cache_utils import KVCacheBlock
@@ -26,17 +26,19 @@ from nanoengine.utils.component_tree import TreeNode
 
 @dataclass
 class KVCacheBlocks:
-    """A list of blocks handed across the manager's API.
+    """Blocks handed across the manager's API: one list per KV cache group.
 
-    vLLM keeps one list per KV cache group here; with a single group the
-    wrapper mostly keeps ``KVCacheBlock`` objects out of the scheduler, which
-    only ever needs the ids.
+    ``blocks[g]`` belongs to group ``g`` (chapter 4: a hybrid model keeps a
+    block table per group; a plain model has one group, so one list). The
+    wrapper keeps ``KVCacheBlock`` objects out of the scheduler, which only
+    ever needs the ids.
     """
 
-    blocks: list[KVCacheBlock] = field(default_factory=list)
+    blocks: tuple[list[KVCacheBlock], ...]
 
-    def get_block_ids(self) -> list[int]:
-        return [block.block_id for block in self.blocks]
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        """The ids, in the same shape: one list per group, in group order."""
+        return tuple([block.block_id for block in group] for group in self.blocks)
 
 
 @dataclass
@@ -79,6 +81,7 @@ class KVCacheManager(TreeNode):
         self.enable_caching = enable_caching
         self.coordinator = KVCacheCoordinator(kv_cache_config, max_model_len, enable_caching)
         self.block_pool = self.coordinator.block_pool
+        self.num_kv_cache_groups = 1
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -89,6 +92,13 @@ class KVCacheManager(TreeNode):
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
+
+    @property
+    def empty_kv_cache_blocks(self) -> KVCacheBlocks:
+        """No blocks: one empty list per group (a fresh object every time, as
+        the lists may be extended).
+        """
+        return KVCacheBlocks(tuple([] for _ in range(self.num_kv_cache_groups)))
 
     @property
     def num_usable_blocks(self) -> int:
@@ -103,15 +113,16 @@ class KVCacheManager(TreeNode):
         ones, so a request that cannot be admitted leaves the cache untouched.
         """
         if not self.enable_caching or request.skip_reading_prefix_cache:
-            return KVCacheBlocks(), 0
+            return self.empty_kv_cache_blocks, 0
         # Even a fully cached prompt must run at least its last token through the
         # model: the logits that sample the next token come from that forward
         # pass. So at most num_tokens - 1 tokens may come from the cache; with
         # whole blocks only, that recomputes the last block when the prompt ends
         # exactly on a block boundary.
         max_cache_hit_length = request.num_tokens - 1
-        hit_blocks = self.coordinator.find_longest_cache_hit(request.block_hashes, max_cache_hit_length)
-        num_computed_tokens = len(hit_blocks) * self.block_size
+        hit_blocks, num_computed_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, max_cache_hit_length
+        )
         self.prefix_cache_stats.record(request.num_tokens, num_computed_tokens)
         return KVCacheBlocks(hit_blocks), num_computed_tokens
 
@@ -143,7 +154,9 @@ class KVCacheManager(TreeNode):
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be at least 1, got {num_new_tokens}.")
-        hit_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else []
+        if new_computed_blocks is None:
+            new_computed_blocks = self.empty_kv_cache_blocks
+        hit_blocks = new_computed_blocks.blocks
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         # A request never needs KV beyond max_model_len positions.
         num_tokens_need_slot = min(num_computed_tokens + num_new_tokens, self.max_model_len)
@@ -190,9 +203,11 @@ class KVCacheManager(TreeNode):
         """
         return bool(self.coordinator.uncomputed_cached_blocks(request.request_id, request.num_computed_tokens))
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's whole block table as ids (what ``NewRequestData`` carries)."""
-        return [block.block_id for block in self.coordinator.get_blocks(request_id)]
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's whole block tables as ids, one list per group (what
+        ``NewRequestData`` carries).
+        """
+        return KVCacheBlocks(self.coordinator.get_blocks(request_id)).get_block_ids()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False if requests still hold blocks."""

@@ -39,7 +39,9 @@ class ScheduledChunk:
     start: int  # num_computed_tokens when scheduled (after any prefix-cache hit)
     num_tokens: int
     num_prompt_tokens: int
-    new_block_ids: list[int]  # blocks allocated for this chunk (a new request: its whole new table)
+    # Blocks allocated for this chunk (a new request: its whole new table). The
+    # pool's view: with several KV cache groups, theirs follow in group order.
+    new_block_ids: list[int]
     num_cached_tokens: int  # prefix-cache hit on admission; 0 for a request already running
 
 
@@ -61,7 +63,8 @@ class StepTrace:
     preemptions: list[Preemption] = field(default_factory=list)
     arrived: list[str] = field(default_factory=list)  # added since the previous step
     finished: dict[str, str] = field(default_factory=dict)  # request id -> FINISHED_* status
-    # request id -> the block table it gave back (finished or preempted requests).
+    # request id -> the blocks it gave back (finished or preempted requests), every
+    # KV cache group's table in group order.
     freed_block_ids: dict[str, list[int]] = field(default_factory=dict)
     # Cached free blocks reused for new contents, in the order the LRU queue gave them.
     evicted_block_ids: list[int] = field(default_factory=list)

@@ -92,7 +92,7 @@ class TraceRecorder:
 
     def _on_allocated(self, new_blocks: KVCacheBlocks | None, request: Request, *args: object, **kwargs: object) -> None:
         if new_blocks is not None:
-            self._new_block_ids[request.request_id] = new_blocks.get_block_ids()
+            self._new_block_ids[request.request_id] = _pool_view(new_blocks.get_block_ids())
 
     def _on_preempt(self, victim: Request, *args: object) -> None:
         """Name the preemption's cause from the allocation that just failed.
@@ -107,7 +107,7 @@ class TraceRecorder:
         self._open.preemptions.append(Preemption(victim.request_id, reason, beneficiary.request_id))
 
     def _on_free(self, manager: KVCacheManager, request: Request) -> None:
-        block_ids = manager.get_block_ids(request.request_id)
+        block_ids = _pool_view(manager.get_block_ids(request.request_id))
         if block_ids:
             self._open.freed_block_ids[request.request_id] = block_ids
 
@@ -168,6 +168,13 @@ class TraceRecorder:
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now
         return elapsed
+
+
+def _pool_view(block_ids: tuple[list[int], ...]) -> list[int]:
+    """One list per KV cache group flattened, in group order: the trace follows
+    the block pool, which every group draws from.
+    """
+    return [block_id for group in block_ids for block_id in group]
 
 
 def _chunk_kind(request: Request, start: int, num_new_tokens: int, is_new: bool) -> str:

@@ -32,7 +32,8 @@ class CachedRequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    # One block table per KV cache group, in group order (vLLM's shape).
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     # A private random stream for seeded requests, kept across preemption so a
     # resumed request continues the same stream instead of restarting it.
@@ -100,15 +101,17 @@ def compute_slot_mapping(
 # END EXERCISE 7.1
 
 
-def build_block_table(states: list[CachedRequestState]) -> torch.Tensor:
-    """[num_reqs, max_blocks] int32, padded with 0 (padding is never read: every
-    query's keys stop at its own seq_len).
+def build_block_table(states: list[CachedRequestState], kv_cache_group_id: int) -> torch.Tensor:
+    """[num_reqs, max_blocks] int32: group ``kv_cache_group_id``'s block table of
+    each request, padded with 0 (padding is never read: every query's keys stop
+    at its own seq_len).
     """
-    width = max((len(s.block_ids) for s in states), default=0)
+    tables = [state.block_ids[kv_cache_group_id] for state in states]
+    width = max((len(ids) for ids in tables), default=0)
     table = torch.zeros((len(states), max(width, 1)), dtype=torch.int32)
-    for row, state in enumerate(states):
-        if state.block_ids:
-            table[row, : len(state.block_ids)] = torch.tensor(state.block_ids, dtype=torch.int32)
+    for row, ids in enumerate(tables):
+        if ids:
+            table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
     return table
 
 
@@ -117,11 +120,14 @@ def prepare_inputs(
     num_scheduled: list[int],
     block_size: int,
     device: torch.device,
+    kv_cache_group_id: int,
 ) -> StepInputs:
     """Flatten one step: for request i, tokens ``[computed_i, computed_i + n_i)``.
 
     ``states`` and ``num_scheduled`` are parallel and already in batch order;
     ``num_computed_tokens`` is read *before* this step's tokens are counted.
+    The block table and slot mapping come from KV cache group
+    ``kv_cache_group_id``: the full-attention group whose layers read them.
     """
     query_start_loc = [0]
     seq_lens: list[int] = []
@@ -145,7 +151,7 @@ def prepare_inputs(
             logits_indices.append(query_start_loc[-1] - 1)
             sampling_req_ids.append(state.req_id)
 
-    block_table = build_block_table(states)
+    block_table = build_block_table(states, kv_cache_group_id)
     positions_t = torch.tensor(positions, dtype=torch.int64)
     slot_mapping = compute_slot_mapping(
         block_table, torch.tensor(req_indices, dtype=torch.int64), positions_t, block_size

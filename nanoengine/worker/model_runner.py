@@ -34,7 +34,7 @@ from nanoengine.core.sched.output import (
     SchedulerOutput,
 )
 from nanoengine.distributed.kv_transfer.worker_side import SharedStorageConnectorWorker
-from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from nanoengine.kv_cache_interface import FULL_ATTENTION_GROUP, FullAttentionSpec, KVCacheConfig
 from nanoengine.logprobs import LogprobsLists
 from nanoengine.model_executor.custom_op import enable_cpu_kernels
 from nanoengine.model_executor.layers.cpu_linear import resolve_linear_backend
@@ -205,14 +205,14 @@ class ModelRunner(TreeNode):
                     token_ids=[0] * length,
                     num_prompt_tokens=length,
                     sampling_params=_GREEDY_PROFILE_PARAMS,
-                    block_ids=list(range(next_block, next_block + num_blocks)),
+                    block_ids=(list(range(next_block, next_block + num_blocks)),),
                     num_computed_tokens=0,
                 )
             )
             next_block += num_blocks
         bind_kv_cache(self._model(), self._allocate_kv_caches(next_block))
         start_time = time.perf_counter()
-        inputs = prepare_inputs(states, lengths, self.block_size, self.device)
+        inputs = prepare_inputs(states, lengths, self.block_size, self.device, FULL_ATTENTION_GROUP)
         self._forward(inputs)
         elapsed = time.perf_counter() - start_time
         # Unbind the temporary cache so its memory goes back before the budget is
@@ -235,7 +235,7 @@ class ModelRunner(TreeNode):
                 token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids),
+                block_ids=tuple(list(ids) for ids in new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=previous.generator if previous else self._make_generator(new.sampling_params.seed),
                 prompt_logprobs_sent=previous.prompt_logprobs_sent if previous else False,
@@ -245,7 +245,8 @@ class ModelRunner(TreeNode):
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.num_output_tokens
         ):
             state = self.requests[req_id]
-            state.block_ids.extend(new_blocks)
+            for table, new_ids in zip(state.block_ids, new_blocks, strict=True):
+                table.extend(new_ids)
             state.num_computed_tokens = num_computed
             # Async scheduling (chapter 7): a decode may be scheduled before the
             # scheduler has seen the token it consumes (an output placeholder).
@@ -282,7 +283,7 @@ class ModelRunner(TreeNode):
         req_ids = order_decodes_first(scheduler_output.num_scheduled_tokens)
         states = [self.requests[rid] for rid in req_ids]
         num_scheduled = [scheduler_output.num_scheduled_tokens[rid] for rid in req_ids]
-        inputs = prepare_inputs(states, num_scheduled, self.block_size, self.device)
+        inputs = prepare_inputs(states, num_scheduled, self.block_size, self.device, FULL_ATTENTION_GROUP)
         targets = find_prompt_logprob_targets(states, num_scheduled, inputs.attn_metadata.query_start_loc_cpu)
         logits = self._forward(inputs, None if targets is None else targets.hidden_rows)
         num_sampling = len(inputs.sampling_req_ids)

@@ -46,7 +46,7 @@ MUTANTS: list[Mutant] = [
         "3.1",
         "leaves out the new_block_ids entry of a running request that got no new block",
         mutate("3.1", ("        self.new_block_ids[request.request_id] = new_blocks.get_block_ids()",
-                       ("        if new_blocks.blocks:\n"
+                       ("        if any(new_blocks.blocks):\n"
                         "            self.new_block_ids[request.request_id] = new_blocks.get_block_ids()"))),
         caught_by="a running request is filed as cached, with its new block ids",
     ),

@@ -28,7 +28,7 @@ MUTANTS: list[Mutant] = [
         "4.1",
         "returns the request's whole block table, not just the new blocks",
         mutate("4.1", ("return KVCacheBlocks(new_blocks)",
-                       "return KVCacheBlocks(list(self.coordinator.get_blocks(request.request_id)))")),
+                       "return KVCacheBlocks(self.coordinator.get_blocks(request.request_id))")),
         caught_by="returns only the new blocks, as a request grows",
     ),
     Mutant(

@@ -34,7 +34,8 @@ class NewRequestData:
     token_ids: list[int]  # prompt, plus earlier outputs for a resumed request
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]  # the request's whole block table so far
+    # The request's whole block table so far, one list per KV cache group.
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
 
 
@@ -45,8 +46,9 @@ class CachedRequestData:
     """
 
     req_ids: list[str] = field(default_factory=list)
-    # Blocks appended to each request's table this step (empty list = none).
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    # Blocks appended to each request's tables this step: one list per KV
+    # cache group, in group order (empty lists = none).
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     # Output tokens each request has, counting those a step in flight is still
     # sampling (async scheduling's placeholders, chapter 7). The worker appends

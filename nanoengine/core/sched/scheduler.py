@@ -259,7 +259,7 @@ class Scheduler(TreeNode):
             if request.num_computed_tokens == 0:
                 hit_blocks, num_new_local_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
             else:
-                hit_blocks, num_new_local_computed_tokens = KVCacheBlocks(), 0
+                hit_blocks, num_new_local_computed_tokens = self.kv_cache_manager.empty_kv_cache_blocks, 0
             num_computed_tokens = request.num_computed_tokens + num_new_local_computed_tokens
             if self.connector is not None and self._start_remote_kv_load(request, hit_blocks, num_computed_tokens):
                 skipped.append(self.waiting.pop_request())  # now WAITING_FOR_REMOTE_KVS

@@ -37,7 +37,7 @@ class StepPlan:
     new_reqs: list[Request] = field(default_factory=list)
     # Known to the worker: only newly allocated block ids travel.
     cached_reqs: list[Request] = field(default_factory=list)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     preempted_reqs: list[Request] = field(default_factory=list)
 
     # BEGIN EXERCISE 3.1
@@ -63,7 +63,7 @@ class StepPlan:
         del self.new_block_ids[request.request_id]
 
     def make_scheduler_output(
-        self, get_block_ids: Callable[[str], list[int]], finished_req_ids: set[str]
+        self, get_block_ids: Callable[[str], tuple[list[int], ...]], finished_req_ids: set[str]
     ) -> SchedulerOutput:
         """The finished plan as the message the worker receives (chapter 7).
 

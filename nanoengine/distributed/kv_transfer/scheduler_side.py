@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 
 from nanoengine.config import KVTransferConfig
 from nanoengine.distributed.kv_transfer import BlockTransfer, KVConnectorMetadata, block_file
+from nanoengine.kv_cache_interface import FULL_ATTENTION_GROUP
 from nanoengine.request import Request
 
 
@@ -46,20 +47,29 @@ class SharedStorageConnectorScheduler:
         return max(num_blocks * self.block_size - num_computed_tokens, 0)
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_computed_tokens: int, num_external_tokens: int
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        num_computed_tokens: int,
+        num_external_tokens: int,
     ) -> None:
-        """Blocks now exist for the matched tokens: plan the load into them."""
+        """Blocks now exist for the matched tokens: plan the load into them.
+
+        ``block_ids`` has one list per KV cache group; the stored files hold
+        full-attention K/V, so only that group's blocks are filled.
+        """
         first = num_computed_tokens // self.block_size
         last = (num_computed_tokens + num_external_tokens) // self.block_size
+        table = block_ids[FULL_ATTENTION_GROUP]
         self._pending_loads.append(
-            BlockTransfer(request.request_id, request.block_hashes[first:last], block_ids[first:last])
+            BlockTransfer(request.request_id, request.block_hashes[first:last], table[first:last])
         )
 
     def build_connector_meta(
         self,
         requests: Mapping[str, Request],
         num_scheduled_tokens: Mapping[str, int],
-        get_block_ids: Callable[[str], list[int]],
+        get_block_ids: Callable[[str], tuple[list[int], ...]],
     ) -> KVConnectorMetadata:
         """This step's loads (planned since the last step) and saves.
 
@@ -81,7 +91,7 @@ class SharedStorageConnectorScheduler:
             )
             num_full_blocks = request.num_prompt_tokens // self.block_size
             if completes_prompt and num_full_blocks > 0:
-                block_ids = get_block_ids(req_id)[:num_full_blocks]
+                block_ids = get_block_ids(req_id)[FULL_ATTENTION_GROUP][:num_full_blocks]
                 metadata.saves.append(
                     BlockTransfer(req_id, request.block_hashes[:num_full_blocks], block_ids)
                 )
