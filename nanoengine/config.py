@@ -35,6 +35,12 @@ class ModelConfig:
     enforce_eager: bool = False
     # Decode batch sizes captured as CUDA graphs; None = the default ladder.
     cudagraph_capture_sizes: list[int] | None = None
+    # Chapter 6: "auto" reads the checkpoint's safetensors; "dummy" builds the
+    # same model and fills it with seeded random values (model_loader/loader.py).
+    load_format: Literal["auto", "dummy"] = "auto"
+    # Chapter 6: True loads no tokenizer; prompts must then be token ids and
+    # outputs carry token ids with empty text (vLLM's skip_tokenizer_init).
+    skip_tokenizer_init: bool = False
 
     @property
     def vocab_size(self) -> int:

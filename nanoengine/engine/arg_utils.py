@@ -25,6 +25,7 @@ from nanoengine.config import (
     SchedulerConfig,
 )
 from nanoengine.model_executor.layers.cpu_linear import LINEAR_BACKENDS
+from nanoengine.model_executor.model_loader.loader import LOAD_FORMATS
 from nanoengine.model_executor.models.registry import get_model_class
 from nanoengine.platforms.cpu import default_cpu_dtype
 from nanoengine.transformers_utils.config import get_hf_config, resolve_model_path, trained_context_len
@@ -65,6 +66,12 @@ class EngineArgs:
     # NANOENGINE_TRACE=1 / NANOENGINE_CHECK_INVARIANTS=1 turn them on too.
     trace: bool = False
     check_invariants: bool = False
+    # Chapter 6: "dummy" fills the model with seeded random values instead of
+    # reading its weights (real shapes, memory and speed; meaningless text), and
+    # can run a model nanoengine ships the config of (Qwen/Qwen3.5-0.8B).
+    load_format: Literal["auto", "dummy"] = "auto"
+    # Chapter 6: load no tokenizer; prompts are token ids, outputs have empty text.
+    skip_tokenizer_init: bool = False
     # Accepted so vLLM scripts run unchanged; nanoengine runs one process on one device.
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
@@ -122,7 +129,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Check the arguments, read the model's config and size the scheduler."""
         self._verify_args()
-        model_path = resolve_model_path(self.model)
+        model_path = resolve_model_path(self.model, self.load_format)
         hf_config = get_hf_config(model_path)
         device = _resolve_device(self.device)
         max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
@@ -138,6 +145,8 @@ class EngineArgs:
             linear_backend=self.linear_backend,
             enforce_eager=self.enforce_eager,
             cudagraph_capture_sizes=self.cudagraph_capture_sizes,
+            load_format=self.load_format,
+            skip_tokenizer_init=self.skip_tokenizer_init,
         )
         return EngineConfig(
             model_config=model_config,
@@ -199,6 +208,8 @@ class EngineArgs:
             raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {self.attention_backend!r}.")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}.")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
         sizes = self.cudagraph_capture_sizes
         if sizes is not None and (not sizes or any(not isinstance(n, int) or n < 1 for n in sizes)):
             raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of positive ints, got {sizes!r}.")

@@ -6,6 +6,10 @@ text-level condition, so they are checked here, on the front-end side, and the
 engine core is then told to abort the request.
 vLLM 0.32 counterpart: ``vllm/v1/engine/detokenizer.py`` (``IncrementalDetokenizer``,
 ``check_stop_strings``).
+
+Without a tokenizer (``skip_tokenizer_init=True``, chapter 6) or with
+``detokenize=False`` it stays idle: the text stays empty, the token ids
+still flow.
 """
 
 from __future__ import annotations
@@ -20,13 +24,13 @@ from nanoengine.sampling_params import SamplingParams
 class IncrementalDetokenizer:
     """Appends text as tokens arrive; finds the first stop string in the output."""
 
-    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Any | None, params: SamplingParams) -> None:
         self.params = params
         self.stop_strings: list[str] = list(params.stop or [])
         self.output_text = ""
         # The Rust tokenizer behind transformers' fast tokenizer; DecodeStream
         # keeps the few-token window needed to emit whole UTF-8 characters.
-        self._backend = tokenizer._tokenizer if params.detokenize else None
+        self._backend = tokenizer._tokenizer if tokenizer is not None and params.detokenize else None
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         # While the request runs, its outputs hold back the last characters that
         # could still be the start of a stop string (chapter 8): once matched it

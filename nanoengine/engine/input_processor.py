@@ -61,7 +61,10 @@ class InputProcessor(TreeNode):
         )
 
     def _validate_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids and counts against the vocabulary."""
+        """What SamplingParams cannot check alone: token ids and counts against the
+        vocabulary, and what needs the tokenizer the engine may not have.
+        """
+        self._validate_needs_tokenizer(params)
         vocab = self.model_config.vocab_size
         for token_id in params.logit_bias or {}:
             if not 0 <= token_id < vocab:
@@ -73,6 +76,21 @@ class InputProcessor(TreeNode):
             count = getattr(params, name)
             if count is not None and count > vocab:
                 raise ValueError(f"{name}={count} asks for more tokens than the vocabulary has ({vocab}).")
+
+    def _validate_needs_tokenizer(self, params: SamplingParams) -> None:
+        """With ``skip_tokenizer_init=True`` there is no text to match a stop string
+        against and no vocabulary to compile a grammar over (chapter 6)."""
+        if not self.model_config.skip_tokenizer_init:
+            return
+        if params.stop:
+            raise ValueError(
+                "Stop strings need a tokenizer, and this engine was built with skip_tokenizer_init=True; "
+                "use stop_token_ids instead."
+            )
+        if params.structured_outputs is not None:
+            raise ValueError(
+                "structured_outputs needs a tokenizer, and this engine was built with skip_tokenizer_init=True."
+            )
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
         max_len = self.model_config.max_model_len

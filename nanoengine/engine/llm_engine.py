@@ -7,6 +7,14 @@ vLLM 0.32 counterpart: ``vllm/v1/engine/llm_engine.py`` (``LLMEngine``:
 
 Everything here is about text and users (prompts, stop strings, ``n`` samples);
 everything below ``engine_core`` is about tokens and blocks.
+
+Chapter 6: ``skip_tokenizer_init=True`` (vLLM's switch) loads no tokenizer.
+The four members are built all the same, with ``tokenizer=None``: the
+renderer accepts only token-id prompts, the input processor refuses what needs
+text (stop strings, grammars), and the outputs carry token ids with empty
+text. The EOS ids then come from the generation config alone. It is never
+turned on behind the user's back (vLLM does not either): a model folder without
+a tokenizer fails in ``get_tokenizer`` with an error that names the switch.
 """
 
 from __future__ import annotations
@@ -36,9 +44,9 @@ class LLMEngine(TreeNode):
     def __init__(self, engine_config: EngineConfig, multiprocess_mode: bool = False, asyncio_mode: bool = False) -> None:
         self.engine_config = engine_config
         model_config = engine_config.model_config
-        self.tokenizer = get_tokenizer(model_config.model_path)
+        self.tokenizer = None if model_config.skip_tokenizer_init else get_tokenizer(model_config.model_path)
         self.renderer = HfRenderer(self.tokenizer)
-        eos_ids = get_generation_eos_ids(model_config.model_path, self.tokenizer)
+        eos_ids = get_generation_eos_ids(model_config.model_path, self.tokenizer, model_config.hf_config)
         self.input_processor = InputProcessor(
             model_config, eos_ids, async_scheduling=engine_config.scheduler_config.async_scheduling
         )
@@ -52,6 +60,7 @@ class LLMEngine(TreeNode):
         return cls(engine_args.create_engine_config(), multiprocess_mode=engine_args.use_multiprocessing())
 
     def get_tokenizer(self) -> Any:
+        """The HF tokenizer; None with ``skip_tokenizer_init=True``."""
         return self.tokenizer
 
     # ---- requests ----------------------------------------------------------

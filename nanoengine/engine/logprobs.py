@@ -20,8 +20,9 @@ from nanoengine.sampling_params import SamplingParams
 class LogprobsProcessor:
     """One request's logprobs so far; empty and free when it asked for none."""
 
-    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
-        # Decoding each candidate token is the expensive part; detokenize=False skips it.
+    def __init__(self, tokenizer: Any | None, params: SamplingParams) -> None:
+        # Decoding each candidate token is the expensive part; detokenize=False skips
+        # it, and without a tokenizer (skip_tokenizer_init) every decoded_token is None.
         self.tokenizer = tokenizer if params.detokenize else None
         self.logprobs: SampleLogprobs | None = None if params.logprobs is None else []
         self.prompt_logprobs: PromptLogprobs | None = None

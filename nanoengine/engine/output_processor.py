@@ -129,7 +129,8 @@ class OutputProcessor(TreeNode):
 
     tree_children = ()
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any | None) -> None:
+        # None (skip_tokenizer_init): outputs carry token ids and empty text.
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}

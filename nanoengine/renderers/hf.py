@@ -3,6 +3,10 @@
 Chapter 5 (engine skeleton) lists it as ``LLMEngine.renderer``; chapter 1 uses it
 through ``LLM.chat``. vLLM 0.32 counterpart: ``vllm/renderers/hf.py``
 (``HfRenderer``), created in ``vllm/v1/engine/llm_engine.py``.
+
+Built without a tokenizer (``skip_tokenizer_init=True``, chapter 6) it passes
+token-id prompts through and refuses text and chat with a ValueError that
+names the setting.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ class HfRenderer(TreeNode):
 
     tree_children = ()
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer  # None: skip_tokenizer_init=True, token ids only
 
     def render_prompt(self, prompt: PromptType) -> RenderedPrompt:
         """One prompt in any accepted form -> text (if known) and token ids."""
@@ -60,20 +64,30 @@ class HfRenderer(TreeNode):
     ) -> RenderedPrompt:
         """Apply the chat template; the result is a text prompt plus its ids."""
         validate_chat_messages(messages)
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        tokenizer = self._tokenizer_for("A chat conversation")
+        if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("This model's tokenizer has no chat template; use generate() with plain text.")
-        text = self.tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             list(messages),
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             **dict(chat_template_kwargs or {}),
         )
         # The template already wrote any BOS token, so no special tokens are added.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": list(ids)}
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+        return list(self._tokenizer_for("A text prompt").encode(text))
+
+    def _tokenizer_for(self, what: str) -> Any:
+        """The tokenizer, or a ValueError saying that ``what`` needs one."""
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{what} needs a tokenizer, and this engine was built with skip_tokenizer_init=True. "
+                "Pass token ids instead: {'prompt_token_ids': [...]}."
+            )
+        return self.tokenizer
 
 
 def validate_chat_messages(messages: Sequence[ChatMessage]) -> None:

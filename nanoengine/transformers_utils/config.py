@@ -14,6 +14,12 @@ A name is resolved in three steps, first match wins:
 3. anything else is treated as a Hugging Face hub id and downloaded, for users
    who are online.
 
+With ``load_format="dummy"`` no weight is read, so step 3 fetches everything
+but the weights, and a name the hub cannot give (offline, not in the local HF
+cache) may still run if nanoengine ships its config
+(``dummy_configs.py``): that config.json alone, written into the nanoengine
+cache, is the model path.
+
 Every failure is a ``ValueError`` that names the string the user wrote, because
 "file not found" deep inside transformers says nothing about what to do next.
 """
@@ -25,6 +31,12 @@ from pathlib import Path
 
 from huggingface_hub import snapshot_download
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from nanoengine.transformers_utils.dummy_configs import (
+    builtin_config_names,
+    has_builtin_config,
+    write_builtin_config,
+)
 
 # The model the examples, chapters and tests use when none is given.
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -44,6 +56,11 @@ CACHE_ENV_VAR = "NANOENGINE_CACHE"
 # Only what a safetensors checkpoint needs; skips .bin/.gguf/ONNX copies that
 # many hub repositories carry alongside and that would multiply the download.
 _HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
+# load_format="dummy" reads no weight, so it downloads none either.
+_HUB_ALLOW_PATTERNS_WITHOUT_WEIGHTS = [p for p in _HUB_ALLOW_PATTERNS if p != "*.safetensors"]
+
+# Files any one of which lets AutoTokenizer build a tokenizer from a folder.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 # Seconds to wait for the hub's metadata answer. Short on purpose: offline, a
 # wrong name should fail at once instead of hanging on retries.
@@ -74,8 +91,11 @@ def is_prepared(model_dir: Path) -> bool:
     return (model_dir / PREPARED_MARKER).is_file()
 
 
-def resolve_model_path(model: str) -> str:
+def resolve_model_path(model: str, load_format: str = "auto") -> str:
     """Return the local directory holding ``model``'s config, weights and tokenizer.
+
+    ``load_format="dummy"`` (random weights, see model_loader/loader.py) needs
+    only the config: see ``_resolve_without_weights``.
 
     Raises ``ValueError`` when the name is a known model that was not prepared,
     a directory without ``config.json``, or nothing that can be found at all.
@@ -90,7 +110,28 @@ def resolve_model_path(model: str) -> str:
     if local.exists():
         return str(_checked_local_dir(local))
 
-    return _download_from_hub(model)
+    if load_format == "dummy":
+        return _resolve_without_weights(model)
+    return _download_from_hub(model, _HUB_ALLOW_PATTERNS)
+
+
+def _resolve_without_weights(model: str) -> str:
+    """A hub id under ``load_format="dummy"``: the hub's files (the local HF cache's
+    when offline) but its weights, else the config nanoengine ships for it.
+
+    The hub comes first: its config is the model's own, the shipped one has
+    assumed values (``dummy_configs.py``).
+    """
+    try:
+        return _download_from_hub(model, _HUB_ALLOW_PATTERNS_WITHOUT_WEIGHTS)
+    except ValueError as hub_error:
+        if not has_builtin_config(model):
+            raise ValueError(
+                f"{str(hub_error).rstrip('.')}. With load_format='dummy' nanoengine can also build a model from a "
+                f"config it ships, but it ships none for {model!r}; built-in configs: "
+                f"{builtin_config_names()}."
+            ) from hub_error
+    return str(write_builtin_config(model, default_cache_dir()))
 
 
 def _prepared_or_explain(model: str) -> Path:
@@ -122,8 +163,9 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUTHY
 
 
-def _download_from_hub(model: str) -> str:
-    """Fetch a hub id into the HF cache; any failure becomes one readable ValueError.
+def _download_from_hub(model: str, allow_patterns: list[str]) -> str:
+    """Fetch a hub id's files matching ``allow_patterns`` into the HF cache; any
+    failure becomes one readable ValueError.
 
     With ``HF_HUB_OFFLINE=1`` nothing goes over the network: only a snapshot that
     is already in the local Hugging Face cache can be used.
@@ -132,7 +174,7 @@ def _download_from_hub(model: str) -> str:
     try:
         path = snapshot_download(
             model,
-            allow_patterns=_HUB_ALLOW_PATTERNS,
+            allow_patterns=allow_patterns,
             etag_timeout=_HUB_ETAG_TIMEOUT_S,
             local_files_only=offline,
         )
@@ -168,7 +210,16 @@ def get_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
 
     The fast tokenizer matters for more than speed: its ``tokenizer.json`` is the
     exact file the converted model ships, so token ids match HF's own pipeline.
+    A folder with no tokenizer file at all (a config nanoengine ships for
+    ``load_format="dummy"``, say) is a ValueError that names the way out,
+    ``skip_tokenizer_init=True``.
     """
+    if not any((Path(model_path) / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(
+            f"Model directory {model_path!r} has no tokenizer ({', '.join(_TOKENIZER_FILES)}). "
+            "Pass skip_tokenizer_init=True to run without one: prompts are then token ids "
+            "({'prompt_token_ids': [...]}) and outputs carry token ids with empty text."
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     if not tokenizer.is_fast:
         raise ValueError(f"Model directory {model_path!r} has no fast tokenizer (tokenizer.json)")

@@ -56,6 +56,13 @@ from nanoengine.entrypoints.openai.protocol import (
 )
 from nanoengine.entrypoints.openai.serving import OpenAIServing
 
+# Every route speaks text (prompts, chat messages, /tokenize), so a server
+# refuses an engine built with skip_tokenizer_init (chapter 6).
+_NEEDS_TOKENIZER = (
+    "nanoengine serve needs a tokenizer: skip_tokenizer_init works offline only "
+    "(LLM(..., skip_tokenizer_init=True) with token-id prompts)."
+)
+
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
@@ -69,6 +76,9 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 
 def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI application: routes, error handlers, the API-key check, metrics."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise ValueError(_NEEDS_TOKENIZER)
     serving = OpenAIServing(engine, served_model_name)
     metrics = ServerMetrics(served_model_name)
     engine.finished_listeners.append(metrics.record_finished)
@@ -136,7 +146,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
             if body.messages is not None:
                 tokens = engine.renderer.render_chat(conversation(body.messages))["prompt_token_ids"]
             else:
-                tokens = list(engine.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens))
+                tokens = list(tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens))
         except (ValueError, TypeError) as error:
             return error_response(400, str(error))
         return JSONResponse({"tokens": tokens, "count": len(tokens),
@@ -148,7 +158,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
         bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:
             return error_response(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab_size}).", "tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -211,7 +221,11 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
 def run_server(args: argparse.Namespace) -> None:
     """Build the engine (the core process starts), then serve until interrupted."""
-    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.skip_tokenizer_init:
+        # Refused before the engine core process is started for nothing.
+        raise ValueError(_NEEDS_TOKENIZER)
+    engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(engine, args.served_model_name or args.model, args.api_key)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

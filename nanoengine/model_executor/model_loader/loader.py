@@ -2,7 +2,8 @@
 
 Chapter 6 (``Worker.load_model`` -> ``ModelRunner.load_model`` -> here).
 vLLM 0.32 counterpart: ``vllm/model_executor/model_loader/__init__.py``
-(``get_model``) and ``default_loader.py`` (``DefaultModelLoader.load_model``).
+(``get_model``), ``default_loader.py`` (``DefaultModelLoader.load_model``) and
+``dummy_loader.py`` (``DummyModelLoader``).
 
 The sequence is vLLM's: pick the class from the registry, construct it directly
 on the target device in the target dtype (no throw-away CPU fp32 copy of a big
@@ -11,6 +12,15 @@ model), then stream the checkpoint into it with the model's own
 ``models/``. Last comes vLLM's ``process_weights_after_loading``: on a CPU the
 linear layers may swap their weights for prepacked copies
 (``layers/cpu_linear.py``).
+
+``load_format`` says where the weights come from. ``"auto"`` reads the
+checkpoint. ``"dummy"`` reads nothing: the model built from the config is
+filled with seeded random values (``initialize_dummy_weights``), and even
+safetensors files sitting in the folder are ignored. Dummy weights make
+meaningless text, but everything else is real: the same shapes, the same bytes
+of memory, the same KV cache size and the same speed per step. That is what a
+study of the engine needs when the checkpoint cannot be had (chapter 6 builds
+Qwen3.5-0.8B this way from a config nanoengine ships).
 """
 
 from __future__ import annotations
@@ -24,10 +34,14 @@ from transformers import PretrainedConfig
 
 from nanoengine.model_executor.layers.cpu_linear import process_weights_after_loading
 from nanoengine.model_executor.model_loader.weight_utils import (
+    initialize_dummy_weights,
     safetensors_files,
     safetensors_weights_iterator,
 )
 from nanoengine.model_executor.models.registry import CausalLM, get_model_class
+
+# Where the weights come from: the checkpoint, or seeded random values.
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @contextmanager
@@ -47,11 +61,15 @@ def get_model(
     dtype: torch.dtype,
     device: torch.device,
     linear_backend: str = "torch",
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> CausalLM:
     """The ready-to-run model: weights loaded, in eval mode, gradients off.
 
     ``linear_backend`` is a resolved name ("torch", "onednn" or "cpu", see
     ``resolve_linear_backend``); "torch" leaves the plain weights in place.
+    ``load_format`` is "auto" (the safetensors in ``model_path``) or "dummy"
+    (random values drawn from ``seed``, the folder's weights unread).
 
     Typed as the registry's ``CausalLM`` protocol (forward, compute_logits,
     load_weights): the Llama family and the hybrid Qwen3.5 share no base class.
@@ -59,17 +77,24 @@ def get_model(
     """
     if not dtype.is_floating_point:
         raise TypeError(f"Model dtype must be a floating-point dtype, got {dtype}.")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}.")
     model_cls = get_model_class(hf_config)
-    # Fail on a weightless directory before spending time building the model.
-    safetensors_files(model_path)
+    if load_format == "auto":
+        # Fail on a weightless directory before spending time building the model.
+        safetensors_files(model_path)
     # Parameters are created as torch.empty in these contexts: already on the
     # device, already in the dtype, waiting for the checkpoint to fill them.
     with default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config)
     # Narrows the protocol to "CausalLM and nn.Module" for the calls below.
     assert isinstance(model, nn.Module), f"{model_cls.__name__} must be an nn.Module"
-    model.load_weights(safetensors_weights_iterator(model_path))
+    if load_format == "dummy":
+        initialize_dummy_weights(model, seed)
+    else:
+        model.load_weights(safetensors_weights_iterator(model_path))
     model.eval()
     model.requires_grad_(False)
+    # Dummy weights are prepacked too: the step then runs the kernels real weights would.
     process_weights_after_loading(model, linear_backend)
     return model

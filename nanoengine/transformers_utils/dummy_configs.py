@@ -1,0 +1,163 @@
+"""Configs nanoengine ships, so ``load_format="dummy"`` runs a model that is not on disk.
+
+Chapter 6 (``LLM(...)`` construction). The study notes run
+``LLM(model="Qwen/Qwen3.5-0.8B")``; where neither the model hub nor the
+checkpoint can be reached, dummy weights still give the real shapes, memory
+and speed, but the model's ``config.json`` is needed to build it. This module
+holds that config as a dict and writes it, ``config.json`` alone, into a
+folder of the nanoengine cache, which then serves as the model path
+(``resolve_model_path`` in ``config.py`` decides when).
+vLLM 0.32 counterpart: none. vLLM fetches ``config.json`` from the hub even for
+``load_format="dummy"``; shipping configs is nanoengine's stand-in for that
+download.
+
+Qwen3.5-0.8B. Values *stated* by two public model pages:
+
+* https://apxml.com/models/qwen35-08b : hidden size 1,024, 24 layers in a
+  6 x (3 Gated DeltaNet + 1 gated attention) pattern, 8 attention heads over 2
+  KV heads of dimension 256, FFN intermediate size 3,584, vocabulary 248,320,
+  RoPE theta 10,000,000, 262K context, RMSNorm, SwiGLU;
+* https://www.fitmygpu.com/models/qwen-3.5-0.8b : 24 layers, hidden size 1,024,
+  8 attention heads, 2 KV heads, 6 KV-bearing layers, context 262,144.
+
+Values *assumed* (neither page states them; they are listed in ``assumed`` and
+logged as a warning whenever the config is used): the Gated DeltaNet shapes
+(16 key heads and 16 value heads of 128, convolution kernel 4), the rotated
+share of each attention head (0.25, Qwen3.5's published default in
+transformers' ``Qwen3_5TextConfig``), ``rms_norm_eps``, tied embeddings, and
+the special token ids (those other public Qwen3.5 configs give for
+``<|endoftext|>`` and ``<|im_end|>``). The Gated DeltaNet guesses set the
+size of those layers' projections and states, so the parameter count, and
+the memory, are only as exact as they are.
+
+The architecture is the text-only ``Qwen3_5ForCausalLM`` (``model_type``
+``qwen3_5_text``): the released checkpoint also carries a vision tower, which
+nanoengine never runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# A sub-folder of the nanoengine cache (``default_cache_dir()``), beside models/.
+DUMMY_CONFIG_SUBDIR = "dummy-configs"
+
+
+@dataclass(frozen=True)
+class BuiltinConfig:
+    """One model's config.json as shipped, and which of its keys are guesses."""
+
+    folder: str  # the folder name under <cache>/dummy-configs
+    config: dict[str, Any]
+    # Dotted keys ("rope_parameters.partial_rotary_factor") no public source states.
+    assumed: tuple[str, ...]
+
+    def assumed_values(self) -> str:
+        """"key=value, ..." for the assumed keys, read from ``config`` (one source of truth)."""
+        return ", ".join(f"{key}={_lookup(self.config, key)!r}" for key in self.assumed)
+
+
+def _lookup(config: dict[str, Any], dotted_key: str) -> Any:
+    """``config["a"]["b"]`` for the dotted key ``"a.b"``."""
+    value: Any = config
+    for part in dotted_key.split("."):
+        value = value[part]
+    return value
+
+
+# [anchor: qwen3_5-0.8b-config]
+# Qwen3.5's layout, stated: six times three Gated DeltaNet layers, then one
+# gated full-attention layer (so only 6 of the 24 layers hold a KV cache).
+_QWEN3_5_0_8B_LAYERS = (["linear_attention"] * 3 + ["full_attention"]) * 6
+
+_QWEN3_5_0_8B = BuiltinConfig(
+    folder="Qwen3.5-0.8B",
+    config={
+        # The text model alone (the released checkpoint adds a vision tower).
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        # Stated by the sources in the module docstring.
+        "hidden_size": 1024,
+        "num_hidden_layers": 24,
+        "layer_types": _QWEN3_5_0_8B_LAYERS,
+        "full_attention_interval": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "intermediate_size": 3584,
+        "hidden_act": "silu",  # SwiGLU: the gate goes through SiLU
+        "vocab_size": 248320,
+        "max_position_embeddings": 262144,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,  # assumed
+        },
+        # Assumed (listed in ``assumed`` below).
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "bos_token_id": 248044,
+        "eos_token_id": [248046, 248044],
+    },
+    assumed=(
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+        "rope_parameters.partial_rotary_factor",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ),
+)
+# [/anchor: qwen3_5-0.8b-config]
+
+# Model name (as a user writes it) -> its shipped config.
+BUILTIN_CONFIGS: dict[str, BuiltinConfig] = {
+    "Qwen/Qwen3.5-0.8B": _QWEN3_5_0_8B,
+}
+
+
+def has_builtin_config(model: str) -> bool:
+    return model in BUILTIN_CONFIGS
+
+
+def builtin_config_names() -> str:
+    """The names with a shipped config, for error messages."""
+    return ", ".join(sorted(BUILTIN_CONFIGS))
+
+
+def write_builtin_config(model: str, cache_dir: Path) -> Path:
+    """Write ``model``'s shipped config.json under ``cache_dir`` and return its folder.
+
+    Written on every call, so the file always matches this module. Written to
+    a temporary name and renamed, so a reader in another process never sees
+    half a file. Logs which values are assumed.
+    """
+    builtin = BUILTIN_CONFIGS[model]
+    folder = cache_dir / DUMMY_CONFIG_SUBDIR / builtin.folder
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f"config.json.{os.getpid()}.tmp"
+    partial.write_text(json.dumps(builtin.config, indent=2) + "\n", encoding="utf-8")
+    partial.replace(folder / "config.json")
+    logger.warning(
+        "%s: using nanoengine's built-in config (load_format='dummy': random weights, meaningless "
+        "text). Assumed values, not stated by public sources: %s.",
+        model,
+        builtin.assumed_values(),
+    )
+    return folder
