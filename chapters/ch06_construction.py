@@ -33,8 +33,8 @@ from rich.table import Table
 from chapters._common import base_parser, console, construction_table, timed
 from nanoengine import LLM
 from nanoengine.core.kv_cache_sizing import get_kv_cache_config, max_concurrency, num_blocks_from_budget
-from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.engine.arg_utils import resolve_dtype
+from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.platforms.cpu import cpu_bf16_features
 from nanoengine.utils.mem_utils import format_bytes
 from nanoengine.worker.memory_report import MemoryReport, memory_table
@@ -98,14 +98,12 @@ def dtype_rows(llm: LLM, report: MemoryReport, max_model_len: int) -> list[Dtype
 
     The engine's own dtype is measured: the weights it holds, the blocks it
     allocated. The other is computed with the same objects at another element
-    size: the engine's parameter count, and its KV spec with ``dtype_size``
-    swapped, through the block division the engine itself uses.
+    size: the weight bytes scaled by the element size (the same tensors,
+    including any packed copy such as a tied LM head's), and the KV spec with
+    ``dtype_size`` swapped, through the block division the engine itself uses.
     """
     engine_dtype = llm.llm_engine.engine_config.model_config.dtype
-    runner = llm.llm_engine.engine_core.get_engine_core().model_executor.driver_worker.model_runner
-    if runner is None or runner.model is None:
-        raise RuntimeError("the engine has no loaded model")
-    num_parameters = sum(p.numel() for p in runner.model.parameters())
+    engine_element_bytes = torch.tensor([], dtype=getattr(torch, engine_dtype)).element_size()
     budget = report.profile.kv_cache_bytes
     rows = []
     for dtype in COMPARED_DTYPES:
@@ -117,7 +115,7 @@ def dtype_rows(llm: LLM, report: MemoryReport, max_model_len: int) -> list[Dtype
             DtypeRow(
                 dtype=dtype,
                 element_bytes=element_bytes,
-                weights_bytes=report.profile.weights_bytes if measured else num_parameters * element_bytes,
+                weights_bytes=report.profile.weights_bytes * element_bytes // engine_element_bytes,
                 kv_bytes_per_token=spec.page_size_bytes // spec.block_size,
                 kv_bytes_per_block=spec.page_size_bytes,
                 num_blocks=config.num_blocks,

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from chapters import ch02_batching, ch06_construction, ch07_generate
 from nanoengine import LLM
 from nanoengine.engine.arg_utils import resolve_dtype
+from nanoengine.model_executor.layers.cpu_linear import resolve_linear_backend
 
 
 def test_ch02_measures_every_batch_size_and_the_crossovers(
@@ -67,7 +69,16 @@ def _check_bf16_halves_the_bytes(result: ch06_construction.Ch06Result, model: st
                 kv_cache_memory_bytes=result.kv_budget_bytes)
     report = other.llm_engine.engine_core.get_engine_core().memory_report
     assert report is not None
-    assert (report.profile.weights_bytes, report.num_blocks) == (computed.weights_bytes, computed.num_blocks)
+    assert report.num_blocks == computed.num_blocks
+    # The computed weights are the measured engine's tensors at the other element size. A
+    # packed matmul path keeps its own copy of a tied LM head; where "auto" packs one dtype
+    # and not the other (bf16 on an AVX2-only CPU), the other engine holds one copy less.
+    backends = [resolve_linear_backend("auto", torch.device(result.device), getattr(torch, dtype))
+                for dtype in (result.engine_dtype, computed.dtype)]
+    if backends[0] == backends[1]:
+        assert report.profile.weights_bytes == computed.weights_bytes
+    else:
+        assert report.profile.weights_bytes < computed.weights_bytes
 
 
 def test_ch07_steps_dispatcher_and_padded_graph_path(tiny_llama: str, capsys: pytest.CaptureFixture[str]) -> None:
