@@ -149,7 +149,7 @@ def simulate_graph_step(llm: LLM, watch: ForwardWatch, max_num_seqs: int) -> tup
     core, runner = _parts(llm)
     for i, prompt in enumerate(PROMPTS):
         llm.llm_engine.add_rendered_request(f"sim-{i}", llm.llm_engine.renderer.render_prompt(prompt), params)
-    model = runner._model()
+    model = runner.get_model()
     set_attention_impl(model, get_attention_impl("triton"))  # what CUDA would use
     while True:
         one_step(llm, watch, show=False)
@@ -164,8 +164,9 @@ def simulate_graph_step(llm: LLM, watch: ForwardWatch, max_num_seqs: int) -> tup
     with torch.inference_mode():
         # Re-running writes the same K/V into the same slots, so both runs see
         # the same cache: only the padding differs.
-        eager = model.compute_logits(model(inputs.input_ids, inputs.positions, md))
-        graph_path = model.compute_logits(model(padded.input_ids, padded.positions, padded.attn_metadata))
+        lm = runner._model()  # the same model, typed by the methods called here
+        eager = lm.compute_logits(lm(inputs.input_ids, inputs.positions, md))
+        graph_path = lm.compute_logits(lm(padded.input_ids, padded.positions, padded.attn_metadata))
     set_attention_impl(model, get_attention_impl(runner.attention_backend))
     while core.scheduler.has_requests():
         one_step(llm, watch, show=False)

@@ -43,21 +43,39 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
 
     @property
+    def hf_text_config(self) -> Any:
+        """The config of the language model: the whole config, or a multimodal
+        checkpoint's ``text_config`` (Qwen3.5's released models carry a vision tower)."""
+        return self.hf_config.get_text_config()
+
+    @property
     def vocab_size(self) -> int:
-        return int(self.hf_config.vocab_size)
+        return int(self.hf_text_config.vocab_size)
 
     @property
     def num_layers(self) -> int:
-        return int(self.hf_config.num_hidden_layers)
+        return int(self.hf_text_config.num_hidden_layers)
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Each layer's kind: "full_attention" everywhere, but in a hybrid model
+        (Qwen3.5), whose config lists "linear_attention" for its state layers."""
+        types = getattr(self.hf_text_config, "layer_types", None)
+        return list(types) if types else ["full_attention"] * self.num_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Layers of more than one kind: the KV cache then has several groups (chapter 4)."""
+        return len(set(self.layer_types)) > 1
 
     @property
     def num_kv_heads(self) -> int:
-        cfg = self.hf_config
+        cfg = self.hf_text_config
         return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
 
     @property
     def head_dim(self) -> int:
-        cfg = self.hf_config
+        cfg = self.hf_text_config
         head_dim = getattr(cfg, "head_dim", None)
         return int(head_dim or cfg.hidden_size // cfg.num_attention_heads)
 
@@ -120,11 +138,15 @@ class KVTransferConfig:
 
     def __post_init__(self) -> None:
         if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
-            raise ValueError(f"kv_role must be 'kv_producer', 'kv_consumer' or 'kv_both', got {self.kv_role!r}.")
+            raise ValueError(
+                f"kv_role must be 'kv_producer', 'kv_consumer' or 'kv_both', got {self.kv_role!r}."
+            )
         if self.kv_connector != "SharedStorageConnector":
             raise ValueError(f"kv_connector must be 'SharedStorageConnector', got {self.kv_connector!r}.")
         if not isinstance(self.shared_storage_path, str) or not self.shared_storage_path:
-            raise ValueError(f"shared_storage_path must be a non-empty path, got {self.shared_storage_path!r}.")
+            raise ValueError(
+                f"shared_storage_path must be a non-empty path, got {self.shared_storage_path!r}."
+            )
 
     @property
     def is_producer(self) -> bool:

@@ -1,27 +1,45 @@
-"""What one KV cache block costs and how many the engine got.
+"""What one KV cache block costs, how the layers share the cache, and how many blocks the engine got.
 
-Chapter 4 (KV cache manager) and chapter 6 (``determine_available_memory``).
+Chapter 4 (KV cache manager; hybrid models) and chapter 6 (``determine_available_memory``).
 vLLM 0.32 counterpart: ``vllm/v1/kv_cache_interface.py`` (``FullAttentionSpec``,
-``KVCacheConfig``).
+``MambaSpec``, ``KVCacheGroupSpec``, ``KVCacheTensor``, ``KVCacheConfig``).
 
 The worker reports a spec (the shape of one block); the engine divides the memory
-budget by the spec's page size and hands the result to both sides: the scheduler's
+budget by what one block costs and hands the result to both sides: the scheduler's
 KV cache manager counts blocks, the worker allocates the tensors.
+
+A layer keeps one of two kinds of per-request memory:
+
+* full attention (``FullAttentionSpec``): K and V of every token so far, so a
+  request's memory grows with its length, one block per ``block_size`` tokens;
+* a recurrent state (``MambaSpec``: Mamba, or the Gated DeltaNet "linear
+  attention" of Qwen3.5): a fixed number of bytes, however long the request.
+
+A plain model has one *KV cache group*: all its layers share one block table per
+request. A hybrid model splits its layers into groups of equal size, each of one
+kind and with a block table of its own; ``core/kv_cache_groups.py`` explains how
+the groups share memory and ``group_kv_cache_layers`` builds them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+from nanoengine.utils.math_utils import cdiv
 
 # The KV cache group whose block tables paged attention reads. Block ids travel
-# as one list per group (vLLM's ``tuple[list[int], ...]``); every model
-# nanoengine serves has one group, group 0, holding all its layers.
+# as one list per group (vLLM's ``tuple[list[int], ...]``). A plain model has one
+# group, holding all its layers; a hybrid model's full-attention groups come
+# first (``group_kv_cache_layers``), so group 0 is a full-attention group in
+# every model (Qwen3.5 has exactly one).
 FULL_ATTENTION_GROUP = 0
 
 
 @dataclass(frozen=True)
 class FullAttentionSpec:
-    """The KV layout of every layer of a decoder-only model with full attention."""
+    """The KV layout of ``num_layers`` full-attention layers of a decoder-only model."""
 
     block_size: int
     num_kv_heads: int
@@ -30,25 +48,178 @@ class FullAttentionSpec:
     num_layers: int
 
     @property
+    def page_size_per_layer(self) -> int:
+        """Bytes of one block in one layer: K and V, each [block_size, num_kv_heads, head_dim]."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_size
+
+    @property
     def page_size_bytes(self) -> int:
-        """Bytes of one block across all layers: K and V, each
-        [block_size, num_kv_heads, head_dim], per layer.
-        """
-        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_size
-        return per_layer * self.num_layers
+        """Bytes of one block across all ``num_layers`` layers."""
+        return self.page_size_per_layer * self.num_layers
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds: one per ``block_size`` tokens."""
+        return cdiv(num_tokens, self.block_size)
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """The recurrent state one layer keeps per request: fixed bytes, whatever its length.
+
+    vLLM's name covers every state-space or linear-attention layer. ``shapes``
+    lists one request's state tensors in one layer; for Gated DeltaNet they
+    are the causal convolution's window ``(conv_dim, conv_kernel - 1)`` and the
+    recurrent matrix ``(num_v_heads, head_k_dim, head_v_dim)``.
+
+    ``block_size`` is how many tokens one state block stands for. Without
+    prefix caching vLLM sets it to ``max_model_len``, so that a request of any
+    length holds exactly one block; nanoengine does the same (``MambaManager``
+    checks it). ``page_size_padded`` is the page once padded up to the
+    attention page (``group_kv_cache_layers``), None before.
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtype_size: int
+    block_size: int
+    page_size_padded: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.page_size_padded is not None and self.page_size_padded < self.state_bytes:
+            raise ValueError(
+                f"page_size_padded={self.page_size_padded} is smaller than the state "
+                f"it must hold ({self.state_bytes} bytes)."
+            )
+
+    @property
+    def state_bytes(self) -> int:
+        """One request's state in one layer, before padding."""
+        return sum(math.prod(shape) for shape in self.shapes) * self.dtype_size
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block (one request's state) in one layer, padding included."""
+        return self.page_size_padded if self.page_size_padded is not None else self.state_bytes
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds: one, once it has a token."""
+        return cdiv(num_tokens, self.block_size)
+
+
+KVCacheSpec = FullAttentionSpec | MambaSpec
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """Layers that share one block table per request, and the spec of each of them.
+
+    ``kv_cache_spec`` describes *one* layer of the group (a ``FullAttentionSpec``
+    with ``num_layers=1``, or a ``MambaSpec``); layer ``layer_indices[j]`` keeps
+    its pages in shared tensor ``j`` (see ``KVCacheConfig.kv_cache_tensors``).
+    """
+
+    layer_indices: tuple[int, ...]
+    kv_cache_spec: KVCacheSpec
+
+
+class KVCacheTensor(NamedTuple):
+    """One tensor the worker allocates, and the layers that keep their pages in it.
+
+    The layers in ``shared_by`` belong to different groups, so a block id is
+    in use by one of them at a time: they never write the same page.
+    """
+
+    size: int  # bytes: num_blocks pages of page_size_per_layer
+    shared_by: tuple[int, ...]  # layer indices, one per group that has a j-th layer
+
+
+def num_blocks_for(groups: tuple[KVCacheGroupSpec, ...], num_tokens: int) -> int:
+    """Blocks a request of ``num_tokens`` tokens holds over all its block tables."""
+    return sum(group.kv_cache_spec.num_blocks_for(num_tokens) for group in groups)
 
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """The decision of chapter 6: this many blocks of this spec."""
+    """The decision of chapter 6: this many blocks, and the groups that share them.
+
+    ``KVCacheConfig(num_blocks=..., spec=...)`` is a plain model: one group of
+    all ``spec.num_layers`` layers, each in a tensor of its own, and one block id
+    costs ``spec.page_size_bytes`` (K and V of ``block_size`` tokens, every layer).
+
+    A hybrid model passes its ``kv_cache_groups`` too (``group_kv_cache_layers``
+    builds both); ``spec`` then stands for all its full-attention layers at the
+    block size the groups agreed on. One block id costs ``bytes_per_block``: a
+    page in each of the ``num_shared_tensors`` shared tensors, whichever group
+    holds it, since each group's ``j``-th layer uses tensor ``j``.
+    """
 
     num_blocks: int
     spec: FullAttentionSpec
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.kv_cache_groups:
+            one_layer = replace(self.spec, num_layers=1)
+            every_layer = KVCacheGroupSpec(tuple(range(self.spec.num_layers)), one_layer)
+            # A frozen dataclass sets its own derived fields through object.__setattr__.
+            object.__setattr__(self, "kv_cache_groups", (every_layer,))
+        page_sizes = {group.kv_cache_spec.page_size_bytes for group in self.kv_cache_groups}
+        if len(page_sizes) != 1:
+            raise ValueError(
+                f"Every KV cache group needs the same page size per layer to share the cache, "
+                f"got {sorted(page_sizes)} bytes (build the groups with group_kv_cache_layers)."
+            )
+        block_sizes = {self.kv_cache_groups[i].kv_cache_spec.block_size for i in self.attention_group_ids}
+        if block_sizes != {self.spec.block_size}:
+            raise ValueError(
+                f"The full-attention groups have block sizes {sorted(block_sizes)}, "
+                f"spec.block_size is {self.spec.block_size}."
+            )
 
     @property
     def block_size(self) -> int:
+        """Tokens per block of the full-attention groups: the scheduler's block size."""
         return self.spec.block_size
 
     @property
+    def attention_group_ids(self) -> tuple[int, ...]:
+        """The full-attention groups (they come first; ``FULL_ATTENTION_GROUP`` is one)."""
+        groups = self.kv_cache_groups
+        return tuple(i for i, group in enumerate(groups) if isinstance(group.kv_cache_spec, FullAttentionSpec))
+
+    @property
+    def num_state_groups(self) -> int:
+        """Groups that keep recurrent states rather than K and V (0: a plain model)."""
+        return sum(isinstance(group.kv_cache_spec, MambaSpec) for group in self.kv_cache_groups)
+
+    @property
+    def page_size_per_layer(self) -> int:
+        """Bytes one block id takes in one shared tensor (the same for every group)."""
+        return self.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+
+    @property
+    def num_shared_tensors(self) -> int:
+        """How many tensors the worker allocates: the layer count of the largest group."""
+        return max(len(group.layer_indices) for group in self.kv_cache_groups)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """What one block id costs: a page in every shared tensor."""
+        return self.page_size_per_layer * self.num_shared_tensors
+
+    @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.spec.page_size_bytes
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def kv_cache_tensors(self) -> tuple[KVCacheTensor, ...]:
+        """Tensor ``j`` and the ``j``-th layer of every group that has one."""
+        size = self.num_blocks * self.page_size_per_layer
+        groups = self.kv_cache_groups
+        return tuple(
+            KVCacheTensor(size, tuple(g.layer_indices[j] for g in groups if j < len(g.layer_indices)))
+            for j in range(self.num_shared_tensors)
+        )
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds, every group counted."""
+        return num_blocks_for(self.kv_cache_groups, num_tokens)

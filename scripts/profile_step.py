@@ -87,7 +87,7 @@ def model_runner(llm: LLM) -> ModelRunner:
 
 def attach(llm: LLM, timer: PartTimer) -> None:
     runner = model_runner(llm)
-    model = runner._model()
+    model = runner.get_model()
     for name, module in model.named_modules():
         if isinstance(module, PackableLinear):
             timer.watch(module, "matmul", "LM head" if name.endswith("lm_head") else "matmuls")
@@ -147,8 +147,8 @@ def bytes_per_step(args: argparse.Namespace, llm: LLM, console: Console) -> None
     """What one decode step must read from memory, from the model's shape."""
     runner = model_runner(llm)
     weights = runner.weights_bytes()
-    spec = runner.get_kv_cache_spec()
-    kv_per_token = spec.page_size_bytes // spec.block_size  # K and V rows of every layer
+    spec = llm.llm_engine.engine_core.get_engine_core().kv_cache_config.spec  # the full-attention layers
+    kv_per_token = spec.page_size_bytes // spec.block_size  # K and V rows of every such layer
     kv = kv_per_token * args.batch * args.context
     console.print(
         f"bytes per step: weights {format_bytes(weights)} + K/V {format_bytes(kv)} "

@@ -101,6 +101,16 @@ class Stats(TreeNode):  # @def-stats (a decorated class)
     steps: int = 0
 
 
+class Shelf(TreeNode):  # @def-shelf
+    """Holds components in a tuple, as the KV cache coordinator holds one manager per group."""
+
+    tree_children = ("pools", "sizes")
+
+    def __init__(self) -> None:
+        self.pools = tuple(BlockPool(n) for n in (4, 8))  # @new-pools
+        self.sizes = [4, 8]  # a plain list: one leaf
+
+
 def child(node: ComponentNode, attr: str) -> ComponentNode:
     (found,) = [c for c in node.children if c.attr == attr]
     return found
@@ -179,6 +189,16 @@ def test_file_outside_the_repo_shows_an_absolute_path(tmp_path: Path) -> None:
 def test_format_location() -> None:
     location = SourceLocation("nanoengine/engine/core.py", 7)
     assert format_location(location) == str(location) == "nanoengine/engine/core.py:7"
+
+
+def test_a_tuple_of_components_shows_each_of_them() -> None:
+    first, second, sizes = build_component_tree(Shelf()).children
+    assert [(n.attr, n.class_name, n.extra) for n in (first, second)] == [
+        ("pools[0]", "BlockPool", "num_blocks=4"), ("pools[1]", "BlockPool", "num_blocks=8")
+    ]
+    assert first.created_at == second.created_at == here("@new-pools")
+    assert first.defined_at == here("@def-block-pool")
+    assert (sizes.attr, sizes.class_name, sizes.extra, sizes.children) == ("sizes", "list", "len=2", [])
 
 
 # ------------------------------------------------------------------ cycles and limits

@@ -21,7 +21,6 @@ import torch
 from nanoengine import LLM, SamplingParams
 from nanoengine.attention.backends.triton_attn import TritonAttentionImpl
 from nanoengine.attention.layer import bind_kv_cache, set_attention_impl
-from nanoengine.kv_cache_interface import FULL_ATTENTION_GROUP
 from nanoengine.model_executor.model_loader import get_model
 from nanoengine.sampling_params import SamplingParams as Params
 from nanoengine.transformers_utils.config import get_hf_config
@@ -30,7 +29,7 @@ from nanoengine.worker.cudagraph_dispatcher import (
     default_capture_sizes,
     pad_decode_inputs,
 )
-from nanoengine.worker.input_batch import CachedRequestState, prepare_inputs
+from nanoengine.worker.input_batch import CachedRequestState, LayerGroups, prepare_inputs
 
 
 def test_default_ladder_is_fine_then_coarse_and_capped() -> None:
@@ -100,7 +99,7 @@ def test_padded_decode_batch_matches_unpadded(tiny_llama: str) -> None:
 
 
 def _step_inputs(states: list[CachedRequestState], num: list[int], block_size: int):  # type: ignore[no-untyped-def]
-    inputs = prepare_inputs(states, num, block_size, torch.device("cpu"), FULL_ATTENTION_GROUP)
+    inputs = prepare_inputs(states, num, block_size, torch.device("cpu"), LayerGroups())
     return inputs.input_ids, inputs.positions, inputs.attn_metadata, inputs
 
 

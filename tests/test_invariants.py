@@ -10,6 +10,7 @@ from test_scheduler import make_request, make_scheduler, run_to_completion, step
 from nanoengine import LLM, SamplingParams
 from nanoengine.core import invariants
 from nanoengine.core.invariants import InvariantViolation, check_invariants
+from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.core.sched.scheduler import Scheduler
 
 
@@ -24,19 +25,23 @@ def busy_scheduler(num_blocks: int = 12) -> Scheduler:
     return scheduler
 
 
+def tables(s: Scheduler) -> dict[str, list[KVCacheBlock]]:
+    """The block tables of the scheduler's one KV cache group."""
+    (manager,) = s.kv_cache_manager.coordinator.single_type_managers
+    return manager.req_to_blocks
+
+
 def _bump_ref_cnt(s: Scheduler) -> None:
-    s.kv_cache_manager.coordinator.req_to_blocks["a"][1].ref_cnt += 1
+    tables(s)["a"][1].ref_cnt += 1
 
 
 def _duplicate_in_table(s: Scheduler) -> None:
-    blocks = s.kv_cache_manager.coordinator.req_to_blocks["a"]
+    blocks = tables(s)["a"]
     blocks.append(blocks[-1])
 
 
 def _held_block_in_free_queue(s: Scheduler) -> None:
-    s.kv_cache_manager.block_pool.free_block_queue.append(
-        s.kv_cache_manager.coordinator.req_to_blocks["a"][-1]
-    )
+    s.kv_cache_manager.block_pool.free_block_queue.append(tables(s)["a"][-1])
 
 
 def _leak_a_block(s: Scheduler) -> None:
@@ -51,7 +56,7 @@ def _stale_hash_entry(s: Scheduler) -> None:
 
 def _wrong_hash_for_position(s: Scheduler) -> None:
     pool = s.kv_cache_manager.block_pool
-    block = s.kv_cache_manager.coordinator.req_to_blocks["a"][0]
+    block = tables(s)["a"][0]
     del pool.cached_block_hash_to_block[block.block_hash]  # type: ignore[arg-type]
     block.block_hash = b"x" * 32
     pool.cached_block_hash_to_block[block.block_hash] = block
@@ -63,9 +68,7 @@ def _computed_beyond_blocks(s: Scheduler) -> None:
 
 def _waiting_holds_blocks(s: Scheduler) -> None:
     waiting = next(iter(s.waiting))
-    s.kv_cache_manager.coordinator.req_to_blocks[waiting.request_id] = (
-        s.kv_cache_manager.block_pool.get_new_blocks(1)
-    )
+    tables(s)[waiting.request_id] = s.kv_cache_manager.block_pool.get_new_blocks(1)
 
 
 def _waiting_with_a_token_in_flight(s: Scheduler) -> None:

@@ -161,7 +161,8 @@ def assert_block_accounting(scheduler: Scheduler) -> None:
     manager = scheduler.kv_cache_manager
     pool = manager.block_pool
     holders: dict[int, int] = {}
-    for request_id, blocks in manager.coordinator.req_to_blocks.items():
+    (group_manager,) = manager.coordinator.single_type_managers  # one KV cache group
+    for request_id, blocks in group_manager.req_to_blocks.items():
         assert request_id in scheduler.requests
         for block in blocks:
             holders[block.block_id] = holders.get(block.block_id, 0) + 1

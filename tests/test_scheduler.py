@@ -105,7 +105,7 @@ def assert_idle_pool(scheduler: Scheduler) -> None:
     manager = scheduler.kv_cache_manager
     assert manager.num_free_blocks == manager.num_usable_blocks
     assert manager.usage == 0.0
-    assert manager.coordinator.req_to_blocks == {}
+    assert all(group.req_to_blocks == {} for group in manager.coordinator.single_type_managers)
 
 
 # ---- budget, chunking, mixing -------------------------------------------------

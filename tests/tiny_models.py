@@ -18,6 +18,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3_5TextConfig,
     Qwen3Config,
 )
 
@@ -56,8 +57,19 @@ def train_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     return fast
 
 
+# Qwen3.5's layers, by kind: "linear_attention" (Gated DeltaNet, a state per
+# request) or "full_attention" (a paged KV cache). Two patterns keep the tests
+# honest about which layer index is which kind.
+TINY_QWEN3_5_LAYERS = {
+    "qwen3_5": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "qwen3_5-alt": ["full_attention", "linear_attention", "full_attention", "linear_attention"],
+}
+
+
 def tiny_config(arch: str, vocab_size: int, tie: bool = True) -> PretrainedConfig:
-    """2 layers, 4 query heads over 2 KV heads (GQA), head_dim 16."""
+    """2 layers, 4 query heads over 2 KV heads (GQA), head_dim 16; Qwen3.5: the 4
+    layers of ``TINY_QWEN3_5_LAYERS``, head_dim 32 (8 rotated dims), linear
+    attention with 2 key heads and 4 value heads of 16."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -77,6 +89,21 @@ def tiny_config(arch: str, vocab_size: int, tie: bool = True) -> PretrainedConfi
         return Qwen2Config(**common, rms_norm_eps=1e-6)
     if arch == "qwen3":
         return Qwen3Config(**common, head_dim=16, rms_norm_eps=1e-6)
+    if arch in TINY_QWEN3_5_LAYERS:
+        layers = TINY_QWEN3_5_LAYERS[arch]
+        config = Qwen3_5TextConfig(
+            **{**common, "num_hidden_layers": len(layers)},
+            layer_types=layers,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            rms_norm_eps=1e-6,
+        )
+        config.architectures = ["Qwen3_5ForCausalLM"]
+        return config
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
@@ -90,9 +117,13 @@ def make_tiny_model_dir(path: Path, arch: str, tie: bool = True, seed: int = 0) 
     # Random init gives near-uniform logits; a larger scale makes greedy argmax
     # decisive, so the parity tests compare real decisions, not ties.
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             if param.dim() == 2:
                 param.normal_(0.0, 0.2)
+            elif name.endswith("norm.weight") and ".linear_attn." not in name and arch in TINY_QWEN3_5_LAYERS:
+                # Qwen3.5's norms scale by 1 + w and HF starts w at 0: draw it, so a
+                # dropped "1 +" would show in the parity tests.
+                param.normal_(0.0, 0.3)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

@@ -9,13 +9,15 @@ region of ``nanoengine/core/kv_cache_sizing.py``; keep the signature. The task a
 
 from __future__ import annotations
 
+from nanoengine.core.kv_cache_groups import KVCacheLayout
 from nanoengine.kv_cache_interface import FullAttentionSpec
 
 
-def num_blocks_from_budget(available_bytes: int, spec: FullAttentionSpec) -> int:
+def num_blocks_from_budget(available_bytes: int, spec: FullAttentionSpec | KVCacheLayout) -> int:
     """How many whole blocks fit in ``available_bytes``.
 
-    One block stores K and V for ``block_size`` tokens in every layer, so its
+    One block stores K and V for ``block_size`` tokens in every layer (for a
+    hybrid model's ``KVCacheLayout``: a page in every shared tensor), so its
     size is ``spec.page_size_bytes``; a partial block is useless, hence floor.
     """
     raise NotImplementedError("Exercise 6.1: see docs/exercises/6.1")

@@ -11,11 +11,15 @@ the bookkeeping must guarantee after every step:
 * a block's ``ref_cnt`` equals the number of block tables holding it; a block
   with ``ref_cnt == 0`` is in the free queue, once, and a held one is not;
 * no block appears twice in one request's table, and the null block in none;
+* with several KV cache groups (a hybrid model), a block is held by one group
+  at a time: the groups share the pool, and the layers of different groups
+  share its tensors, so a block in two groups would be written twice;
 * the prefix cache map and the blocks agree (``map[h].block_hash == h``, and
   every hashed block is in the map under its hash), and a cached block in a
   table carries that request's own hash for that position;
-* running requests hold blocks for all their computed tokens; waiting and
-  finished ones hold none; an idle engine holds no block at all;
+* running requests hold blocks for all their computed tokens in every group
+  (a state group: its one block); waiting and finished ones hold none; an
+  idle engine holds no block at all;
 * async scheduling's output placeholders (chapter 7) are never negative, and a
   waiting request has none left once a step's output is in: a request is only
   preempted while at most the step before is in flight, and that step's update
@@ -39,8 +43,8 @@ from nanoengine.core.block_pool import BlockPool
 from nanoengine.core.kv_cache_coordinator import KVCacheCoordinator
 from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.core.sched.scheduler import Scheduler
-from nanoengine.request import RequestStatus
-from nanoengine.utils.math_utils import cdiv
+from nanoengine.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from nanoengine.request import Request, RequestStatus
 from nanoengine.utils.method_taps import tap
 
 
@@ -63,11 +67,19 @@ def check_kv_blocks(coordinator: KVCacheCoordinator) -> None:
     """Block tables, ref counts, the free queue and the prefix-cache map agree."""
     pool = coordinator.block_pool
     holders: Counter[int] = Counter()
-    for request_id, blocks in coordinator.req_to_blocks.items():
-        ids = [block.block_id for block in blocks]
-        _require(len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice: {_duplicates(ids)}")
-        _require(pool.null_block.block_id not in ids, f"request {request_id!r} holds the null block")
-        holders.update(ids)
+    group_of_block: dict[int, int] = {}
+    for manager in coordinator.single_type_managers:
+        group = manager.kv_cache_group_id
+        for request_id, blocks in manager.req_to_blocks.items():
+            ids = [block.block_id for block in blocks]
+            _require(
+                len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice: {_duplicates(ids)}"
+            )
+            _require(pool.null_block.block_id not in ids, f"request {request_id!r} holds the null block")
+            for block_id in ids:
+                owner = group_of_block.setdefault(block_id, group)
+                _require(owner == group, f"block {block_id} is held by KV cache groups {owner} and {group}")
+            holders.update(ids)
     # Only referenced blocks can be wrong in a way the count below misses.
     referenced = {pool.blocks[block_id] for block_id in holders}
     referenced.update(pool.cached_block_hash_to_block.values())
@@ -126,8 +138,7 @@ def _walk_whole_pool(pool: BlockPool, holders: Counter[int]) -> None:
 
 def check_scheduler(scheduler: Scheduler) -> None:
     """Requests against their blocks, and the queues against each other."""
-    manager = scheduler.kv_cache_manager
-    tables = manager.coordinator.req_to_blocks
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     running_ids = {request.request_id for request in scheduler.running}
     _require(len(running_ids) == len(scheduler.running), "a request is twice in the running list")
     for request in scheduler.running:
@@ -138,21 +149,8 @@ def check_scheduler(scheduler: Scheduler) -> None:
             request.num_output_placeholders >= 0,
             f"running {request.request_id!r} has {request.num_output_placeholders} output placeholders",
         )
-        # Placeholders count as computed: their slots are covered here too.
-        blocks = tables.get(request.request_id, [])
-        needed = cdiv(min(request.num_computed_tokens, scheduler.max_model_len), manager.block_size)
-        _require(
-            len(blocks) >= needed,
-            f"running {request.request_id!r} computed {request.num_computed_tokens} tokens "
-            f"but holds only {len(blocks)} blocks of {manager.block_size}",
-        )
-        for index, block in enumerate(blocks):
-            if block.block_hash is not None:
-                _require(
-                    index < len(request.block_hashes) and request.block_hashes[index] == block.block_hash,
-                    f"block {block.block_id} at position {index} of {request.request_id!r} is cached "
-                    "under a hash that is not the request's",
-                )
+        for kv_manager in managers:
+            _check_running_table(kv_manager, request, scheduler.max_model_len)
     for request in scheduler.waiting:
         _require(request.request_id not in running_ids, f"{request.request_id!r} is both waiting and running")
         _require(not request.is_finished(), f"finished {request.request_id!r} is still waiting")
@@ -162,25 +160,46 @@ def check_scheduler(scheduler: Scheduler) -> None:
         )
         # Only a request that keeps KV while it waits (a parked stream, a remote
         # KV load; chapter 5) holds blocks in the waiting queue.
+        holds_blocks = any(m.req_to_blocks.get(request.request_id) for m in managers)
         _require(
-            request.num_computed_tokens > 0 or not tables.get(request.request_id),
-            f"waiting {request.request_id!r} holds blocks",
+            request.num_computed_tokens > 0 or not holds_blocks, f"waiting {request.request_id!r} holds blocks"
         )
     keeping_kv = {r.request_id for r in scheduler.waiting if r.num_computed_tokens > 0}
-    holders_without_request = set(tables) - running_ids - keeping_kv
+    holders_without_request = {
+        rid for m in managers for rid, blocks in m.req_to_blocks.items() if blocks
+    } - running_ids - keeping_kv
     _require(
-        not any(tables[rid] for rid in holders_without_request),
-        f"requests not running hold blocks: {sorted(holders_without_request)}",
+        not holders_without_request, f"requests not running hold blocks: {sorted(holders_without_request)}"
     )
     _require(
         set(scheduler.requests) == running_ids | {r.request_id for r in scheduler.waiting},
         "scheduler.requests disagrees with the waiting and running queues",
     )
+    kv_cache_manager = scheduler.kv_cache_manager
     if not scheduler.has_unfinished_requests():
-        _require(
-            manager.num_free_blocks == manager.num_usable_blocks,
-            f"idle engine still holds {manager.num_usable_blocks - manager.num_free_blocks} blocks",
-        )
+        num_held = kv_cache_manager.num_usable_blocks - kv_cache_manager.num_free_blocks
+        _require(num_held == 0, f"idle engine still holds {num_held} blocks")
+
+
+def _check_running_table(manager: SingleTypeKVCacheManager, request: Request, max_model_len: int) -> None:
+    """One group's table of a running request: enough blocks, and each cached
+    block under the request's own hash for its position.
+    """
+    # Placeholders count as computed: their slots are covered here too.
+    blocks = manager.get_blocks(request.request_id)
+    needed = manager.kv_cache_spec.num_blocks_for(min(request.num_computed_tokens, max_model_len))
+    _require(
+        len(blocks) >= needed,
+        f"running {request.request_id!r} computed {request.num_computed_tokens} tokens but holds only "
+        f"{len(blocks)} blocks of {manager.block_size} in KV cache group {manager.kv_cache_group_id}",
+    )
+    for index, block in enumerate(blocks):
+        if block.block_hash is not None:
+            _require(
+                index < len(request.block_hashes) and request.block_hashes[index] == block.block_hash,
+                f"block {block.block_id} at position {index} of {request.request_id!r} is cached "
+                "under a hash that is not the request's",
+            )
 
 
 def check_invariants(scheduler: Scheduler) -> None:

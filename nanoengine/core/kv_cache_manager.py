@@ -5,8 +5,10 @@ Chapter 4 (KV cache manager). The scheduler creates this object in its own
 hits when a request is first scheduled (``get_computed_blocks``), for room for
 the tokens it wants to run (``allocate_slots``, where ``None`` means "preempt
 someone"), and gives everything back when a request ends (``free``).
-Underneath, ``KVCacheCoordinator`` keeps the block tables and ``BlockPool`` the
-blocks themselves.
+Underneath, a ``KVCacheCoordinator`` keeps the block tables, one
+``SingleTypeKVCacheManager`` per KV cache group (one group for a plain model,
+several for a hybrid one), and ``BlockPool`` the blocks themselves. Blocks and
+block ids cross this API as one list per group, in group order.
 
 vLLM 0.32 counterpart: ``vllm/v1/core/kv_cache_manager.py`` (``KVCacheManager``,
 ``KVCacheBlocks``); the stats dataclass mirrors ``PrefixCacheStats`` of
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoengine.core.kv_cache_coordinator import KVCacheCoordinator
+from nanoengine.core.kv_cache_coordinator import get_kv_cache_coordinator
 from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import Request
@@ -76,12 +78,13 @@ class KVCacheManager(TreeNode):
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {max_model_len}.")
+        self.kv_cache_config = kv_cache_config
         self.block_size = kv_cache_config.block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.coordinator = KVCacheCoordinator(kv_cache_config, max_model_len, enable_caching)
+        self.coordinator = get_kv_cache_coordinator(kv_cache_config, max_model_len, enable_caching)
         self.block_pool = self.coordinator.block_pool
-        self.num_kv_cache_groups = 1
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property

@@ -4,22 +4,32 @@
 take; this module divides that budget by the size of one block and checks that at
 least one request of ``max_model_len`` tokens fits. The block count is the real
 upper bound on batch size that chapter 2 talks about.
+
+A plain model is described by its ``FullAttentionSpec``; a hybrid model (chapter
+4) by the ``KVCacheLayout`` of its groups. Both say what one block id costs
+(``page_size_bytes``) and how many blocks one request holds (``num_blocks_for``):
+for a hybrid model, a block per ``block_size`` tokens in each attention group
+plus one state block per state group, whatever the length.
+
 vLLM 0.32 counterpart: ``vllm/v1/core/kv_cache_utils.py`` (``get_kv_cache_configs``,
 ``check_enough_kv_cache_memory``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from nanoengine.core.kv_cache_groups import KVCacheLayout, group_kv_cache_layers
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
-from nanoengine.utils.math_utils import cdiv
 from nanoengine.utils.mem_utils import format_bytes
 
 
 # BEGIN EXERCISE 6.1
-def num_blocks_from_budget(available_bytes: int, spec: FullAttentionSpec) -> int:
+def num_blocks_from_budget(available_bytes: int, spec: FullAttentionSpec | KVCacheLayout) -> int:
     """How many whole blocks fit in ``available_bytes``.
 
-    One block stores K and V for ``block_size`` tokens in every layer, so its
+    One block stores K and V for ``block_size`` tokens in every layer (for a
+    hybrid model's ``KVCacheLayout``: a page in every shared tensor), so its
     size is ``spec.page_size_bytes``; a partial block is useless, hence floor.
     """
     return max(available_bytes // spec.page_size_bytes, 0)
@@ -29,44 +39,76 @@ def num_blocks_from_budget(available_bytes: int, spec: FullAttentionSpec) -> int
 
 
 def check_enough_kv_cache_memory(
-    available_bytes: int, spec: FullAttentionSpec, max_model_len: int, budget_note: str = ""
+    available_bytes: int, spec: FullAttentionSpec | KVCacheLayout, max_model_len: int, budget_note: str = ""
 ) -> None:
     """Refuse to start an engine that could never finish one longest request.
 
     ``budget_note`` (from the worker's memory profile) says where the rest of
     the budget went and which knob value would be enough; it ends the message.
     """
+    layout = as_layout(spec)
     # +1: block 0 is the block pool's reserved null block and holds no tokens.
-    needed_bytes = (cdiv(max_model_len, spec.block_size) + 1) * spec.page_size_bytes
+    num_blocks_needed = layout.num_blocks_for(max_model_len) + 1
+    needed_bytes = num_blocks_needed * layout.page_size_bytes
     if available_bytes >= needed_bytes:
         return
-    fitting_len = max(num_blocks_from_budget(available_bytes, spec) - 1, 0) * spec.block_size
     raise ValueError(
         f"The KV cache budget of {format_bytes(available_bytes)} ({available_bytes} bytes) is too "
         f"small for one request of max_model_len={max_model_len} tokens, which needs "
+        f"{_blocks_needed(layout, max_model_len)} of {layout.page_size_bytes} bytes: "
         f"{format_bytes(needed_bytes)} ({needed_bytes} bytes; {needed_bytes - available_bytes} "
-        f"bytes missing). With this budget the longest context would be {fitting_len} tokens. "
+        f"bytes missing). With this budget the longest context would be "
+        f"{longest_context(layout, num_blocks_from_budget(available_bytes, layout))} tokens. "
         "Raise kv_cache_memory_bytes (CPU), cpu_kv_cache_fraction or gpu_memory_utilization, "
         "or lower max_model_len." + (f" {budget_note}" if budget_note else "")
     )
 
 
+def _blocks_needed(layout: KVCacheLayout, max_model_len: int) -> str:
+    """The block count of one longest request, term by term, for the error message."""
+    num_attention_groups = len(layout.kv_cache_groups) - layout.num_state_groups
+    per_group = f"cdiv({max_model_len}, block_size={layout.block_size})"
+    attention = per_group if num_attention_groups == 1 else f"{num_attention_groups} x {per_group}"
+    num_states = layout.num_state_groups
+    states = f" + {num_states} state block(s), one per state group" if num_states else ""
+    return f"{layout.num_blocks_for(max_model_len) + 1} blocks ({attention}{states} + the null block)"
+
+
+def longest_context(layout: KVCacheLayout, num_blocks: int) -> int:
+    """The longest request ``num_blocks`` blocks can hold, once the null block and
+    one state block per state group are set aside.
+    """
+    num_attention_groups = len(layout.kv_cache_groups) - layout.num_state_groups
+    num_attention_blocks = max(num_blocks - 1 - layout.num_state_groups, 0)
+    return num_attention_blocks // num_attention_groups * layout.block_size
+
+
+def as_layout(spec: FullAttentionSpec | KVCacheLayout) -> KVCacheLayout:
+    """A plain model's spec as a layout: one group of all its layers."""
+    if isinstance(spec, KVCacheLayout):
+        return spec
+    return group_kv_cache_layers(dict.fromkeys(range(spec.num_layers), replace(spec, num_layers=1)))
+
+
 def get_kv_cache_config(
-    spec: FullAttentionSpec,
+    spec: FullAttentionSpec | KVCacheLayout,
     available_bytes: int,
     max_model_len: int,
     num_blocks_override: int | None = None,
     budget_note: str = "",
 ) -> KVCacheConfig:
     """Decide the block count: the override if given, else what the budget buys."""
+    layout = as_layout(spec)
     if num_blocks_override is not None:
-        check_enough_kv_cache_memory(num_blocks_override * spec.page_size_bytes, spec, max_model_len)
-        return KVCacheConfig(num_blocks=num_blocks_override, spec=spec)
-    check_enough_kv_cache_memory(available_bytes, spec, max_model_len, budget_note)
-    return KVCacheConfig(num_blocks=num_blocks_from_budget(available_bytes, spec), spec=spec)
+        check_enough_kv_cache_memory(num_blocks_override * layout.page_size_bytes, layout, max_model_len)
+        num_blocks = num_blocks_override
+    else:
+        check_enough_kv_cache_memory(available_bytes, layout, max_model_len, budget_note)
+        num_blocks = num_blocks_from_budget(available_bytes, layout)
+    return KVCacheConfig(num_blocks, layout.attention_spec, layout.kv_cache_groups)
 
 
 def max_concurrency(kv_cache_config: KVCacheConfig, max_model_len: int) -> float:
     """How many requests of ``max_model_len`` tokens fit at once (chapter 2's bound)."""
-    per_request = cdiv(max_model_len, kv_cache_config.block_size)
+    per_request = kv_cache_config.num_blocks_for(max_model_len)
     return (kv_cache_config.num_blocks - 1) / per_request  # minus the null block

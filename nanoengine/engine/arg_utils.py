@@ -9,6 +9,7 @@ shape and its longest context. vLLM 0.32 counterpart: ``vllm/engine/arg_utils.py
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import types
 from dataclasses import dataclass, fields
@@ -29,6 +30,8 @@ from nanoengine.model_executor.model_loader.loader import LOAD_FORMATS
 from nanoengine.model_executor.models.registry import get_model_class
 from nanoengine.platforms.cpu import default_cpu_dtype
 from nanoengine.transformers_utils.config import get_hf_config, resolve_model_path, trained_context_len
+
+logger = logging.getLogger(__name__)
 
 # The dtypes a user may name; "auto" picks bf16 on CUDA and on a CPU with bf16
 # dot products, fp32 on other CPUs (nanoengine/platforms/cpu.py).
@@ -148,11 +151,14 @@ class EngineArgs:
             load_format=self.load_format,
             skip_tokenizer_init=self.skip_tokenizer_init,
         )
+        enable_prefix_caching = resolve_prefix_caching(self.enable_prefix_caching, model_config)
+        if self.kv_transfer_config is not None and not enable_prefix_caching:
+            raise ValueError("kv_transfer_config needs prefix caching, which a hybrid model runs without.")
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=_resolve_block_size(self.block_size, device),
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 cpu_kv_cache_fraction=self.cpu_kv_cache_fraction,
@@ -287,6 +293,27 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype == "auto":
         return default_cpu_dtype() if device == "cpu" else "bfloat16"
     return dtype
+
+
+def resolve_prefix_caching(requested: bool, model_config: ModelConfig) -> bool:
+    """Prefix caching as asked, except for a hybrid model: off, said once in the log.
+
+    A cache hit skips the forward pass of the prefix, so every layer must get
+    back what it held at the prefix's end. A full-attention layer can: the K
+    and V of each full block stay in the pool. A Gated DeltaNet layer keeps one
+    state per request, overwritten at every step, so its state at a block
+    boundary is gone before another request could reuse it. vLLM 0.32 caches
+    hybrid models only in its "align" mode, which saves a state at every block
+    boundary; nanoengine keeps one state per request (chapter 4).
+    """
+    if requested and model_config.is_hybrid:
+        logger.info(
+            "Prefix caching is off for %s: it is a hybrid model, and its linear-attention layers keep "
+            "one recurrent state per request, not one per block (vLLM's 'align' mode).",
+            model_config.model,
+        )
+        return False
+    return requested
 
 
 def _resolve_max_model_len(hf_config: Any, requested: int | None) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 
 from nanoengine.config import EngineConfig
 from nanoengine.core.invariants import check_invariants_after_each_update
+from nanoengine.core.kv_cache_groups import group_kv_cache_layers
 from nanoengine.core.kv_cache_sizing import get_kv_cache_config
 from nanoengine.core.kv_cache_utils import get_request_block_hasher
 from nanoengine.core.sched.async_scheduler import AsyncScheduler
@@ -30,7 +31,7 @@ from nanoengine.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.engine import EngineCoreOutputs, EngineCoreRequest
 from nanoengine.executor.uniproc_executor import UniProcExecutor
-from nanoengine.kv_cache_interface import KVCacheConfig
+from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from nanoengine.request import Request, RequestStatus
 from nanoengine.structured_output import StructuredOutputManager
 from nanoengine.trace import EngineTrace, TraceRecorder
@@ -84,7 +85,9 @@ class EngineCore(TreeNode):
         async_scheduling = engine_config.scheduler_config.async_scheduling
         scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = scheduler_cls(
-            engine_config.scheduler_config, engine_config.cache_config, self.kv_cache_config,
+            engine_config.scheduler_config,
+            engine_config.cache_config,
+            self.kv_cache_config,
             kv_transfer_config=engine_config.kv_transfer_config,
         )
         # Instruments (chapters 3-4), attached from outside: the scheduler's code
@@ -110,14 +113,27 @@ class EngineCore(TreeNode):
         """determine_available_memory -> block count -> initialize_from_config."""
         config = self.engine_config
         available = self.model_executor.determine_available_memory()
+        spec = self.model_executor.get_kv_cache_spec()
+        # A hybrid model reports one spec per layer; grouping them decides the
+        # block size and page size every group shares (chapter 4).
+        layout = spec if isinstance(spec, FullAttentionSpec) else group_kv_cache_layers(spec)
         kv_cache_config = get_kv_cache_config(
-            self.model_executor.get_kv_cache_spec(),
+            layout,
             available,
             config.model_config.max_model_len,
             config.cache_config.num_gpu_blocks_override,
             budget_note=profile.describe() if (profile := self.model_executor.memory_profile) else "",
         )
         config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        if kv_cache_config.block_size != config.cache_config.block_size:
+            # A hybrid model's attention pages must hold a state layer's state:
+            # the groups raised the block size (vLLM raises it the same way).
+            logger.info(
+                "block_size raised from %d to %d tokens so that one attention page holds a state (hybrid model).",
+                config.cache_config.block_size,
+                kv_cache_config.block_size,
+            )
+            config.cache_config.block_size = kv_cache_config.block_size
         self.model_executor.initialize_from_config(kv_cache_config)
         # CUDA graphs are recorded now: they read the KV cache just bound.
         self.model_executor.compile_or_warm_up_model()

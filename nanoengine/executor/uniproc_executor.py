@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar, overload
 
 from nanoengine.config import EngineConfig
 from nanoengine.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from nanoengine.utils.component_tree import TreeNode
 from nanoengine.worker.worker import MemoryProfile, Worker
 
@@ -51,7 +51,7 @@ class UniProcExecutor(TreeNode):
         """
         return self._forward_thread.submit(method, *args).result()
 
-    def get_kv_cache_spec(self) -> FullAttentionSpec:
+    def get_kv_cache_spec(self) -> FullAttentionSpec | dict[int, KVCacheSpec]:
         return self.driver_worker.get_kv_cache_spec()
 
     def determine_available_memory(self) -> int:

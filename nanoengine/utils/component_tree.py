@@ -6,7 +6,9 @@ which owns an ``EngineCoreClient``, which owns an ``EngineCore``, which owns a
 where its owner creates it. Typed by hand, such a map goes stale with the first
 edit. Here it is computed from the live objects every time it is printed:
 
-* a class opts in by naming its component attributes in ``tree_children``;
+* a class opts in by naming its component attributes in ``tree_children``; an
+  attribute holding a tuple or list of such components (the KV cache
+  coordinator's one manager per group) shows each of them, as ``name[i]``;
 * ``defined_at`` is the ``class`` line, found through ``inspect``;
 * ``created_at`` is the ``self.<attr> = ...`` line in the owner's class (or one of
   its base classes), found by parsing that source with ``ast``.
@@ -25,7 +27,7 @@ import io
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 from rich.console import Console
 from rich.text import Text
@@ -171,8 +173,24 @@ class _Builder:
             child = getattr(obj, name, missing)
             if child is missing:  # not created yet (or never, in this configuration)
                 continue
+            if _is_component_sequence(child):
+                # One line creates them all, so they share its location.
+                created_at = attribute_created_at(type(obj), name)
+                for index, element in enumerate(child):
+                    label = f"{name}[{index}]"
+                    yield self.node(element, label, created_at, f"{path}.{label}", depth)
+                continue
             created_at = attribute_created_at(type(obj), name, _shown_class(child).__name__)
             yield self.node(child, name, created_at, f"{path}.{name}", depth)
+
+
+def _is_component_sequence(value: object) -> TypeGuard[tuple[object, ...] | list[object]]:
+    """A non-empty tuple or list whose every element is a component (has ``tree_children``)."""
+    return (
+        isinstance(value, (tuple, list))
+        and bool(value)
+        and all(_tree_children_of(element) is not None for element in value)
+    )
 
 
 def build_component_tree(obj: object, *, max_depth: int = DEFAULT_MAX_DEPTH) -> ComponentNode:

@@ -70,7 +70,9 @@ class CudagraphDispatcher:
             return CudagraphDecision(False, num_tokens, "the step has a prefill: shapes vary, run eager")
         largest = self.capture_sizes[-1]
         if num_reqs > largest:
-            return self._fallback(num_tokens, "batch", f"{num_reqs} decodes > largest captured size {largest}")
+            return self._fallback(
+                num_tokens, "batch", f"{num_reqs} decodes > largest captured size {largest}"
+            )
         if block_table_width > self.max_blocks_per_req:
             return self._fallback(
                 num_tokens,

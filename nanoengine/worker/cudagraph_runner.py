@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 
 from nanoengine.attention.backends.abstract import AttentionMetadata
-from nanoengine.model_executor.models.llama import LlamaForCausalLM
+from nanoengine.model_executor.models.registry import CausalLM
 from nanoengine.worker.input_batch import StepInputs
 
 
 class CUDAGraphRunner:
     """Static buffers sized for the largest graph, and one graph per batch size."""
 
-    def __init__(self, model: LlamaForCausalLM, max_batch_size: int, block_table_width: int, device: torch.device):
+    def __init__(self, model: CausalLM, max_batch_size: int, block_table_width: int, device: torch.device):
         self.model = model
         self.device = device
         # Every graph reads prefixes of these buffers; replay() overwrites them.

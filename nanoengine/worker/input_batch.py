@@ -98,6 +98,8 @@ def compute_slot_mapping(
     # [num_tokens] physical block id of each token
     block_ids = block_table[req_indices, positions // block_size].to(torch.int64)
     return block_ids * block_size + positions % block_size
+
+
 # END EXERCISE 7.1
 
 
@@ -115,19 +117,45 @@ def build_block_table(states: list[CachedRequestState], kv_cache_group_id: int) 
     return table
 
 
+@dataclass(frozen=True)
+class LayerGroups:
+    """Which KV cache groups a model's layers read (chapter 4: hybrid models).
+
+    ``attention``: the full-attention group, whose block tables and slot
+    mapping paged attention reads. ``states``: the state groups of a hybrid
+    model's linear-attention layers, in ``state_indices`` row order (none for
+    a model with full attention only).
+    """
+
+    attention: int = 0
+    states: tuple[int, ...] = ()
+
+
+def state_slots(states: list[CachedRequestState], state_groups: tuple[int, ...]) -> torch.Tensor | None:
+    """[num_state_groups, num_reqs] int64: each request's state block in each state group.
+
+    A state group gives a request one block whatever its length (the
+    coordinator's state manager), so its table's last entry is the slot.
+    """
+    if not state_groups:
+        return None
+    return torch.tensor([[s.block_ids[g][-1] for s in states] for g in state_groups], dtype=torch.int64)
+
+
 def prepare_inputs(
     states: list[CachedRequestState],
     num_scheduled: list[int],
     block_size: int,
     device: torch.device,
-    kv_cache_group_id: int,
+    groups: LayerGroups,
 ) -> StepInputs:
     """Flatten one step: for request i, tokens ``[computed_i, computed_i + n_i)``.
 
     ``states`` and ``num_scheduled`` are parallel and already in batch order;
     ``num_computed_tokens`` is read *before* this step's tokens are counted.
-    The block table and slot mapping come from KV cache group
-    ``kv_cache_group_id``: the full-attention group whose layers read them.
+    The block table and slot mapping come from the full-attention group
+    ``groups.attention``; a hybrid model's state layers get their slots from
+    ``groups.states``.
     """
     query_start_loc = [0]
     seq_lens: list[int] = []
@@ -151,7 +179,8 @@ def prepare_inputs(
             logits_indices.append(query_start_loc[-1] - 1)
             sampling_req_ids.append(state.req_id)
 
-    block_table = build_block_table(states, kv_cache_group_id)
+    block_table = build_block_table(states, groups.attention)
+    slots = state_slots(states, groups.states)
     positions_t = torch.tensor(positions, dtype=torch.int64)
     slot_mapping = compute_slot_mapping(
         block_table, torch.tensor(req_indices, dtype=torch.int64), positions_t, block_size
@@ -166,6 +195,7 @@ def prepare_inputs(
         slot_mapping=slot_mapping.to(device),
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
+        state_indices=None if slots is None else slots.to(device),
     )
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),

@@ -29,6 +29,12 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
+
+from nanoengine.attention.layer import Attention, bind_kv_cache
+from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
+from nanoengine.model_executor.layers.mamba.gdn import GatedDeltaNetAttention, bind_mamba_state
+from nanoengine.worker.input_batch import LayerGroups
 
 
 def new_page_buffer(num_blocks: int, page_size_bytes: int, device: torch.device) -> torch.Tensor:
@@ -87,3 +93,78 @@ def _typed_slice(pages: torch.Tensor, start: int, numel: int, dtype: torch.dtype
         raise ValueError(f"A page of {pages.shape[1]} bytes cannot hold {end_byte} bytes of {dtype} views.")
     # Reinterpret whole pages first (a view of the last, contiguous dim), then cut.
     return pages.view(dtype)[:, start : start + numel]
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's full-attention layers, in layer order (what ``bind_kv_cache`` binds)."""
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def state_layers(model: nn.Module) -> list[GatedDeltaNetAttention]:
+    """The model's state layers (Gated DeltaNet), in layer order (what ``bind_mamba_state`` binds)."""
+    return [m for m in model.modules() if isinstance(m, GatedDeltaNetAttention)]
+
+
+def private_states(
+    model: nn.Module, num_slots: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed (conv, recurrent) states of ``num_slots`` slots for each state layer.
+
+    For the profile run, which needs states before any page exists: one
+    request per slot, nothing shared.
+    """
+    states: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer in state_layers(model):
+        conv_shape, ssm_shape = layer.get_state_shapes()
+        states.append(
+            (
+                torch.zeros((num_slots, *conv_shape), dtype=dtype, device=device),
+                torch.zeros((num_slots, *ssm_shape), dtype=dtype, device=device),
+            )
+        )
+    return states
+
+
+def release_states(model: nn.Module) -> None:
+    """Drop every state layer's tensors (the profile run's temporary ones)."""
+    for layer in state_layers(model):
+        layer.conv_state = layer.ssm_state = torch.empty(0)
+
+
+def bind_shared_pages(
+    model: nn.Module, kv_cache_config: KVCacheConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[LayerGroups, list[torch.Tensor]]:
+    """Allocate a hybrid model's shared page buffers and bind every layer's view of them.
+
+    Layer ``layer_indices[j]`` of each KV cache group uses buffer ``j``
+    (``KVCacheConfig.kv_cache_tensors``). Returns which groups the layers
+    read, and the buffers (whose bytes are the whole KV cache).
+    """
+    groups = kv_cache_config.kv_cache_groups
+    attention = kv_cache_config.attention_group_ids
+    states = tuple(g for g, group in enumerate(groups) if isinstance(group.kv_cache_spec, MambaSpec))
+    if len(attention) != 1:
+        raise ValueError(
+            f"nanoengine runs hybrid models with one full-attention KV cache group; this model "
+            f"has {len(attention)}, of {[len(groups[g].layer_indices) for g in attention]} layers."
+        )
+    buffers = [
+        new_page_buffer(kv_cache_config.num_blocks, kv_cache_config.page_size_per_layer, device)
+        for _ in range(kv_cache_config.num_shared_tensors)
+    ]
+    caches: dict[int, torch.Tensor] = {}
+    layer_states: dict[int, tuple[tuple[torch.Tensor, ...], int]] = {}
+    for g, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        for j, layer_index in enumerate(group.layer_indices):
+            if isinstance(spec, FullAttentionSpec):
+                caches[layer_index] = attention_view(
+                    buffers[j], spec.block_size, spec.num_kv_heads, spec.head_dim, dtype
+                )
+            else:
+                layer_states[layer_index] = (state_views(buffers[j], spec.shapes, dtype), states.index(g))
+    # Modules come in layer order; so do the sorted layer indices of each kind.
+    bind_kv_cache(model, [caches[i] for i in sorted(caches)])
+    ordered = [layer_states[i] for i in sorted(layer_states)]
+    bind_mamba_state(model, [(views[0], views[1]) for views, _ in ordered], [row for _, row in ordered])
+    return LayerGroups(attention=attention[0], states=states), buffers

@@ -61,9 +61,17 @@ class MemoryReport:
                 ("CUDA graphs", format_bytes(profile.cudagraph_bytes), "reserved memory grown by capture"),
             ]
         rows += [
-            ("KV cache", format_bytes(self.kv_cache_config.total_bytes), f"what remains ({profile.budget_source})"),
+            (
+                "KV cache",
+                format_bytes(self.kv_cache_config.total_bytes),
+                f"what remains ({profile.budget_source})",
+            ),
             ("engine budget", format_bytes(profile.total_budget_bytes), "the sum the knobs allow"),
-            ("KV blocks", str(self.num_blocks), f"{self.kv_cache_config.block_size} tokens each, incl. null block"),
+            (
+                "KV blocks",
+                str(self.num_blocks),
+                f"{self.kv_cache_config.block_size} tokens each, incl. null block",
+            ),
             ("token capacity", str(self.token_capacity), "tokens of KV the cache can hold"),
             (
                 "max concurrency",
@@ -76,7 +84,9 @@ class MemoryReport:
 
 def memory_table(report: MemoryReport) -> Table:
     """The report as a rich table."""
-    table = Table(title=f"Memory profile ({report.profile.device}, profiling pass {report.profile.profile_seconds:.2f} s)")
+    table = Table(
+        title=f"Memory profile ({report.profile.device}, profiling pass {report.profile.profile_seconds:.2f} s)"
+    )
     table.add_column("item")
     table.add_column("size", justify="right")
     table.add_column("how")

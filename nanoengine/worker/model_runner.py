@@ -18,10 +18,12 @@ bitmask (structured output), which it computes while the forward pass runs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import cast
 
 import numpy as np
 import torch
+from torch import nn
 
 from nanoengine.attention.layer import bind_kv_cache, set_attention_impl
 from nanoengine.attention.selector import get_attention_impl, resolve_backend_name
@@ -34,12 +36,13 @@ from nanoengine.core.sched.output import (
     SchedulerOutput,
 )
 from nanoengine.distributed.kv_transfer.worker_side import SharedStorageConnectorWorker
-from nanoengine.kv_cache_interface import FULL_ATTENTION_GROUP, FullAttentionSpec, KVCacheConfig
+from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 from nanoengine.logprobs import LogprobsLists
 from nanoengine.model_executor.custom_op import enable_cpu_kernels
 from nanoengine.model_executor.layers.cpu_linear import resolve_linear_backend
-from nanoengine.model_executor.model_loader import get_model
-from nanoengine.model_executor.models.llama import LlamaForCausalLM
+from nanoengine.model_executor.layers.mamba.gdn import bind_mamba_state
+from nanoengine.model_executor import model_loader
+from nanoengine.model_executor.models.registry import CausalLM
 from nanoengine.sample.logprobs import LogprobsTensors
 from nanoengine.sample.metadata import SamplingMetadata
 from nanoengine.sample.penalties import PenaltyInputs, pad_token_ids
@@ -55,9 +58,17 @@ from nanoengine.worker.cudagraph_dispatcher import (
 from nanoengine.worker.cudagraph_runner import CUDAGraphRunner
 from nanoengine.worker.input_batch import (
     CachedRequestState,
+    LayerGroups,
     StepInputs,
     order_decodes_first,
     prepare_inputs,
+)
+from nanoengine.worker.kv_cache_tensors import (
+    attention_layers,
+    bind_shared_pages,
+    private_states,
+    release_states,
+    state_layers,
 )
 from nanoengine.worker.page_advice import advise_no_huge_pages
 from nanoengine.worker.prompt_logprobs import (
@@ -103,7 +114,11 @@ class ModelRunner(TreeNode):
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(self.model_config.seed)
         self._pending: _PendingSample | None = None
-        self.model: LlamaForCausalLM | None = None
+        # Every registered model class is an nn.Module with the CausalLM methods.
+        self.model: nn.Module | None = None
+        # Which KV cache groups the layers read: one full-attention group, plus
+        # state groups for a hybrid model (set when the KV cache is bound).
+        self.layer_groups = LayerGroups()
         # The worker half of a KV connector, when this engine is part of a P/D pair.
         transfer = engine_config.kv_transfer_config
         self.kv_connector = SharedStorageConnectorWorker(transfer) if transfer is not None else None
@@ -126,32 +141,62 @@ class ModelRunner(TreeNode):
     # ---- construction (chapter 6) ------------------------------------------
 
     def load_model(self) -> None:
-        self.model = get_model(
+        model = model_loader.get_model(
             self.model_config.model_path,
             self.model_config.hf_config,
             self.dtype,
             self.device,
             self.linear_backend,
+            load_format=self.model_config.load_format,
+            seed=self.model_config.seed,
         )
-        set_attention_impl(self.model, get_attention_impl(self.attention_backend))
+        assert isinstance(model, nn.Module), type(model)
+        self.model = model
+        set_attention_impl(self.get_model(), get_attention_impl(self.attention_backend))
         if self.attention_backend == "cpu":
             # The same C++ build carries the norm, RoPE and activation kernels.
-            enable_cpu_kernels(self.model)
+            enable_cpu_kernels(self.get_model())
 
     def weights_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self._model().parameters())
+        return sum(p.numel() * p.element_size() for p in self.get_model().parameters())
 
-    def get_kv_cache_spec(self) -> FullAttentionSpec:
+    def _attention_spec(self) -> FullAttentionSpec:
+        """The K/V layout of the full-attention layers: all of them, but in a hybrid model."""
         return FullAttentionSpec(
             block_size=self.block_size,
             num_kv_heads=self.model_config.num_kv_heads,
             head_dim=self.model_config.head_dim,
             dtype_size=torch.tensor([], dtype=self.dtype).element_size(),
-            num_layers=self.model_config.num_layers,
+            num_layers=self.model_config.layer_types.count("full_attention"),
         )
 
+    def get_kv_cache_spec(self) -> FullAttentionSpec | dict[int, KVCacheSpec]:
+        """What the KV cache of this model is made of (chapter 6).
+
+        A plain model: one spec for all its layers. A hybrid model: one spec
+        per layer index, as vLLM's workers report it -- a ``FullAttentionSpec``
+        of one layer, or a ``MambaSpec`` holding a state layer's state shapes,
+        whose one block stands for a whole request (``block_size`` =
+        ``max_model_len``). The engine core groups them (``core/kv_cache_groups.py``).
+        """
+        attention = self._attention_spec()
+        if not self.model_config.is_hybrid:
+            return attention
+        one_layer = replace(attention, num_layers=1)
+        states = iter(state_layers(self.get_model()))
+        max_model_len = self.engine_config.scheduler_config.max_model_len
+        specs: dict[int, KVCacheSpec] = {}
+        for index, kind in enumerate(self.model_config.layer_types):
+            if kind == "full_attention":
+                specs[index] = one_layer
+            else:
+                shapes = next(states).get_state_shapes()
+                specs[index] = MambaSpec(shapes, attention.dtype_size, block_size=max_model_len)
+        return specs
+
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
+        """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per
+        full-attention layer (every layer, but in a hybrid model).
 
         Zero-filled, so stale slots hold zeros rather than NaN garbage. On CPU
         the zeros come from numpy's calloc: the OS hands out zeroed pages lazily,
@@ -159,27 +204,45 @@ class ModelRunner(TreeNode):
         memset every page up front: seconds for a few GiB). The pages are kept
         at 4 KiB (``page_advice.py``): a first write then never stalls a step.
         """
-        spec = self.get_kv_cache_spec()
+        spec = self._attention_spec()
         shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        num_layers = spec.num_layers
         if self.device.type != "cpu":
-            return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+            return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
         # Same-width integer storage viewed as the model dtype (numpy has no bf16).
         storage = {2: np.uint16, 4: np.uint32}[spec.dtype_size]
-        caches = [torch.from_numpy(np.zeros(shape, dtype=storage)).view(self.dtype) for _ in range(spec.num_layers)]
+        caches = [
+            torch.from_numpy(np.zeros(shape, dtype=storage)).view(self.dtype) for _ in range(num_layers)
+        ]
         for cache in caches:
             advise_no_huge_pages(cache)
         return caches
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        self.kv_caches = self._allocate_kv_caches(kv_cache_config.num_blocks)
-        bind_kv_cache(self._model(), self.kv_caches)
+        """Allocate the KV cache the engine decided on and bind it to the layers.
+
+        One group (full attention only): a cache of its own per layer. Several
+        groups (a hybrid model): shared page buffers, each layer viewing its
+        own kind of page (``kv_cache_tensors.py``); the block size is then the
+        unified one, which may exceed the configured ``block_size``.
+        """
+        if len(kv_cache_config.kv_cache_groups) == 1:
+            self.kv_caches = self._allocate_kv_caches(kv_cache_config.num_blocks)
+            bind_kv_cache(self.get_model(), self.kv_caches)
+            return
+        self.layer_groups, self.kv_caches = bind_shared_pages(
+            self.get_model(), kv_cache_config, self.dtype, self.device
+        )
+        self.block_size = kv_cache_config.block_size
 
     def capture_model(self) -> int:
         """Record the decode CUDA graphs (if enabled); returns the bytes they took."""
         if not self.dispatcher.enabled:
             return 0
         sizes = self.dispatcher.capture_sizes
-        self.cudagraph_runner = CUDAGraphRunner(self._model(), sizes[-1], self.max_blocks_per_req, self.device)
+        self.cudagraph_runner = CUDAGraphRunner(
+            self._model(), sizes[-1], self.max_blocks_per_req, self.device
+        )
         self.cudagraph_runner.capture(sizes)
         return self.cudagraph_runner.captured_bytes
 
@@ -190,9 +253,12 @@ class ModelRunner(TreeNode):
         The batch has ``max_num_batched_tokens`` tokens cut into prompts of at most
         ``max_model_len``, with a temporary KV cache just big enough for it, so the
         peak memory measured afterwards includes real attention activations.
+        A hybrid model's state layers get one temporary slot per prompt.
         Returns the seconds it took.
         """
         sched = self.engine_config.scheduler_config
+        module = self.get_model()
+        has_states = bool(state_layers(module))
         total = sched.max_num_batched_tokens
         lengths = [min(sched.max_model_len, total - start) for start in range(0, total, sched.max_model_len)]
         states: list[CachedRequestState] = []
@@ -205,19 +271,27 @@ class ModelRunner(TreeNode):
                     token_ids=[0] * length,
                     num_prompt_tokens=length,
                     sampling_params=_GREEDY_PROFILE_PARAMS,
-                    block_ids=(list(range(next_block, next_block + num_blocks)),),
+                    block_ids=(list(range(next_block, next_block + num_blocks)),)
+                    + (([i],) if has_states else ()),
                     num_computed_tokens=0,
                 )
             )
             next_block += num_blocks
-        bind_kv_cache(self._model(), self._allocate_kv_caches(next_block))
+        bind_kv_cache(module, self._allocate_kv_caches(next_block))
+        groups = LayerGroups(attention=0, states=(1,) if has_states else ())
+        if has_states:
+            num_state_layers = len(state_layers(module))
+            bind_mamba_state(
+                module, private_states(module, len(states), self.dtype, self.device), [0] * num_state_layers
+            )
         start_time = time.perf_counter()
-        inputs = prepare_inputs(states, lengths, self.block_size, self.device, FULL_ATTENTION_GROUP)
+        inputs = prepare_inputs(states, lengths, self.block_size, self.device, groups)
         self._forward(inputs)
         elapsed = time.perf_counter() - start_time
         # Unbind the temporary cache so its memory goes back before the budget is
         # measured; initialize_kv_cache binds the real one afterwards.
-        bind_kv_cache(self._model(), [torch.empty(0) for _ in range(self.model_config.num_layers)])
+        bind_kv_cache(module, [torch.empty(0) for _ in attention_layers(module)])
+        release_states(module)
         return elapsed
 
     # ---- one step (chapter 7) ----------------------------------------------
@@ -283,7 +357,7 @@ class ModelRunner(TreeNode):
         req_ids = order_decodes_first(scheduler_output.num_scheduled_tokens)
         states = [self.requests[rid] for rid in req_ids]
         num_scheduled = [scheduler_output.num_scheduled_tokens[rid] for rid in req_ids]
-        inputs = prepare_inputs(states, num_scheduled, self.block_size, self.device, FULL_ATTENTION_GROUP)
+        inputs = prepare_inputs(states, num_scheduled, self.block_size, self.device, self.layer_groups)
         targets = find_prompt_logprob_targets(states, num_scheduled, inputs.attn_metadata.query_start_loc_cpu)
         logits = self._forward(inputs, None if targets is None else targets.hidden_rows)
         num_sampling = len(inputs.sampling_req_ids)
@@ -382,10 +456,16 @@ class ModelRunner(TreeNode):
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
 
-    def _model(self) -> LlamaForCausalLM:
+    def get_model(self) -> nn.Module:
+        """The loaded model (vLLM's ``GPUModelRunner.get_model``)."""
         if self.model is None:
             raise RuntimeError("load_model() must run before the model is used.")
         return self.model
+
+    def _model(self) -> CausalLM:
+        """The same model, seen through the methods the runner calls on it
+        (``registry.CausalLM``; mypy has no type for "both")."""
+        return cast(CausalLM, self.get_model())
 
 
 def _penalty_inputs(states: list[CachedRequestState], vocab_size: int) -> PenaltyInputs | None:
@@ -403,7 +483,11 @@ def _penalty_inputs(states: list[CachedRequestState], vocab_size: int) -> Penalt
 
 
 def _has_neutral_penalties(params: SamplingParams) -> bool:
-    return params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
+    return (
+        params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+    )
 
 
 def _logprobs_by_request(

@@ -18,7 +18,7 @@ import torch
 
 from nanoengine.config import EngineConfig
 from nanoengine.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from nanoengine.utils.component_tree import TreeNode
 from nanoengine.worker.memory_probe import PeakMemoryProbe
 from nanoengine.worker.model_runner import ModelRunner
@@ -80,7 +80,7 @@ class Worker(TreeNode):
     def load_model(self) -> None:
         self._runner().load_model()
 
-    def get_kv_cache_spec(self) -> FullAttentionSpec:
+    def get_kv_cache_spec(self) -> FullAttentionSpec | dict[int, KVCacheSpec]:
         return self._runner().get_kv_cache_spec()
 
     @torch.inference_mode()
@@ -97,7 +97,10 @@ class Worker(TreeNode):
             kv_bytes, source = cache_config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         elif self.device.type == "cuda":
             non_torch = self._non_torch_bytes()
-            kv_bytes, source = self._cuda_budget(weights + peak_activation, non_torch), "gpu_memory_utilization"
+            kv_bytes, source = (
+                self._cuda_budget(weights + peak_activation, non_torch),
+                "gpu_memory_utilization",
+            )
         else:
             kv_bytes, source = self._cpu_budget(), "cpu_kv_cache_fraction of available RAM"
         if self.device.type == "cuda":

@@ -30,7 +30,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "6.1",
         "rounds a partial block up (ceil)",
-        mutate("6.1", ("available_bytes // spec.page_size_bytes", "cdiv(available_bytes, spec.page_size_bytes)")),
+        mutate("6.1", ("available_bytes // spec.page_size_bytes", "-(-available_bytes // spec.page_size_bytes)")),
         caught_by="a partial block does not count (floor, not ceil)",
     ),
     Mutant(

@@ -19,7 +19,6 @@ from nanoengine.engine import EngineCoreOutput
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.logprobs import LogprobsLists
 from nanoengine.request import Request, RequestStatus
-from nanoengine.utils.math_utils import cdiv
 
 
 # BEGIN EXERCISE 3.2
@@ -132,15 +131,18 @@ def ends_in_repetition(token_ids: list[int], min_size: int, max_size: int, min_c
 
 def why_never_fits(request: Request, max_model_len: int, kv_cache_manager: KVCacheManager) -> str | None:
     """Why ``request`` can never run with these limits, or None if it can."""
-    block_size, num_usable_blocks = kv_cache_manager.block_size, kv_cache_manager.num_usable_blocks
+    kv_cache_config, num_usable_blocks = kv_cache_manager.kv_cache_config, kv_cache_manager.num_usable_blocks
     if request.num_tokens > max_model_len:
         return f"The prompt has {request.num_tokens} tokens, more than max_model_len={max_model_len}."
-    num_blocks_needed = cdiv(request.num_tokens, block_size)
+    # Every group's table counts: a hybrid model adds a state block per state group.
+    num_blocks_needed = kv_cache_config.num_blocks_for(request.num_tokens)
     if num_blocks_needed > num_usable_blocks:
+        num_states = kv_cache_config.num_state_groups
+        states = f", plus {num_states} state block(s), one per state group" if num_states else ""
         return (
             f"The request needs {num_blocks_needed} KV cache blocks for its "
             f"{request.num_tokens} tokens, more than the {num_usable_blocks} blocks "
-            f"of the whole KV cache (block_size={block_size})."
+            f"of the whole KV cache (block_size={kv_cache_config.block_size}{states})."
         )
     return None
 
