@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,20 @@ def test_json_tree_carries_the_vllm_counterparts(tiny_llama: str, capsys: pytest
     scheduler = next(child for child in core["children"] if child["attr"] == "scheduler")
     assert scheduler["vllm"]["created_at"] == "v1/engine/core.py:174"
     assert scheduler["defined_at"]["path"] == "nanoengine/core/sched/scheduler.py"
+
+
+def test_hybrid_model_tree_shows_the_coordinator_and_its_managers(
+    tiny_model_factory: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 15: on Qwen3.5 (3 Gated DeltaNet layers, 1 attention layer) the tree has the
+    hybrid coordinator, one full-attention manager and three state managers over one pool."""
+    ch05_skeleton.main(["--model", tiny_model_factory("qwen3_5"), "--json"])
+    core = json.loads(capsys.readouterr().out)["tree"]["children"][0]["children"][3]["children"][0]
+    scheduler = next(child for child in core["children"] if child["attr"] == "scheduler")
+    coordinator = scheduler["children"][0]["children"][0]
+    assert coordinator["class_name"] == "HybridKVCacheCoordinator"
+    managers = [child["class_name"] for child in coordinator["children"]]
+    assert managers == ["FullAttentionManager", "MambaManager", "MambaManager", "MambaManager"]
 
 
 def test_short_generate_reaches_all_twelve_states(
