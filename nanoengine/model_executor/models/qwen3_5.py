@@ -51,6 +51,7 @@ from nanoengine.model_executor.layers.linear import (
 from nanoengine.model_executor.layers.mamba.gdn import GatedDeltaNetAttention
 from nanoengine.model_executor.layers.rotary_embedding import get_rope
 from nanoengine.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
+from nanoengine.model_executor.models.llama import STACKED_PARAMS as LLAMA_STACKED_PARAMS
 from nanoengine.model_executor.models.llama import (
     DecoderVariant,
     LlamaMLP,
@@ -197,13 +198,10 @@ class Qwen3_5Model(nn.Module):
 
 
 # Checkpoint projections that live inside a fused layer here:
-# (fused name, checkpoint name, shard id inside the fused weight).
+# (fused name, checkpoint name, shard id inside the fused weight): Llama's
+# attention and MLP fusions, plus the Gated DeltaNet input projections.
 STACKED_PARAMS: tuple[tuple[str, str, ShardId], ...] = (
-    ("qkv_proj", "q_proj", "q"),
-    ("qkv_proj", "k_proj", "k"),
-    ("qkv_proj", "v_proj", "v"),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
+    *LLAMA_STACKED_PARAMS,
     ("in_proj_qkvz", "in_proj_qkv", "qkv"),
     ("in_proj_qkvz", "in_proj_z", "z"),
     ("in_proj_ba", "in_proj_b", "b"),
