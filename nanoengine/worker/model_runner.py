@@ -206,13 +206,12 @@ class ModelRunner(TreeNode):
         """
         spec = self._attention_spec()
         shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        num_layers = spec.num_layers
         if self.device.type != "cpu":
-            return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+            return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
         # Same-width integer storage viewed as the model dtype (numpy has no bf16).
         storage = {2: np.uint16, 4: np.uint32}[spec.dtype_size]
         caches = [
-            torch.from_numpy(np.zeros(shape, dtype=storage)).view(self.dtype) for _ in range(num_layers)
+            torch.from_numpy(np.zeros(shape, dtype=storage)).view(self.dtype) for _ in range(spec.num_layers)
         ]
         for cache in caches:
             advise_no_huge_pages(cache)
@@ -258,7 +257,8 @@ class ModelRunner(TreeNode):
         """
         sched = self.engine_config.scheduler_config
         module = self.get_model()
-        has_states = bool(state_layers(module))
+        num_state_layers = len(state_layers(module))
+        has_states = num_state_layers > 0
         total = sched.max_num_batched_tokens
         lengths = [min(sched.max_model_len, total - start) for start in range(0, total, sched.max_model_len)]
         states: list[CachedRequestState] = []
@@ -280,7 +280,6 @@ class ModelRunner(TreeNode):
         bind_kv_cache(module, self._allocate_kv_caches(next_block))
         groups = LayerGroups(attention=0, states=(1,) if has_states else ())
         if has_states:
-            num_state_layers = len(state_layers(module))
             bind_mamba_state(
                 module, private_states(module, len(states), self.dtype, self.device), [0] * num_state_layers
             )
