@@ -1,7 +1,7 @@
 """Shared pages (worker/kv_cache_tensors.py): a hybrid model's attention and state views.
 
 The attention view of a page buffer keeps K and V of one block side by side, so
-its K half has a block stride of two half pages. Both attention backends must
+its K half has a block stride of two half pages. Every attention backend must
 write and read such a cache exactly as they do a private one, and a state layer
 writing its page must leave every attention block of the same buffer alone.
 """
@@ -14,6 +14,7 @@ from test_attention_ref import allocate_blocks, make_attn_metadata
 
 from nanoengine._custom_ops import cpu_ops_available
 from nanoengine.attention.backends.torch_ref import TorchRefAttentionImpl
+from nanoengine.attention.selector import triton_available
 from nanoengine.worker.kv_cache_tensors import attention_view, new_page_buffer, state_views
 
 BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 6, 64, 24
@@ -27,6 +28,10 @@ def backends() -> list[object]:
         from nanoengine.attention.backends.cpu_attn import CPUAttentionImpl
 
         impls.append(pytest.param(CPUAttentionImpl(), id="cpu"))
+    if triton_available():  # in Triton's interpreter when there is no GPU (triton_kernels.py)
+        from nanoengine.attention.backends.triton_attn import TritonAttentionImpl
+
+        impls.append(pytest.param(TritonAttentionImpl(), id="triton"))
     return impls
 
 

@@ -50,7 +50,9 @@ def _reshape_and_cache_kernel(
     slot_mapping_ptr,
     stride_key_token,
     stride_value_token,
+    stride_cache_block,
     stride_cache_slot,
+    block_size,
     ROW: tl.constexpr,  # num_kv_heads * head_dim: one token's K (or V) row
     ROW_P: tl.constexpr,  # ROW rounded up to a power of two (tl.arange needs one)
 ):
@@ -59,10 +61,13 @@ def _reshape_and_cache_kernel(
     if slot >= 0:
         offsets = tl.arange(0, ROW_P)
         mask = offsets < ROW
+        # Slot -> (block, row in block): blocks need not be adjacent in memory
+        # (a hybrid model's shared pages put a block's V right after its K).
+        where = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_slot
         key = tl.load(key_ptr + token * stride_key_token + offsets, mask=mask)
         value = tl.load(value_ptr + token * stride_value_token + offsets, mask=mask)
-        tl.store(key_cache_ptr + slot * stride_cache_slot + offsets, key, mask=mask)
-        tl.store(value_cache_ptr + slot * stride_cache_slot + offsets, value, mask=mask)
+        tl.store(key_cache_ptr + where + offsets, key, mask=mask)
+        tl.store(value_cache_ptr + where + offsets, value, mask=mask)
 
 
 def reshape_and_cache(
@@ -70,33 +75,33 @@ def reshape_and_cache(
 ) -> None:
     """Write key/value [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D].
 
-    ``slot_mapping`` [T] int64; a slot < 0 leaves the cache untouched.
+    ``slot_mapping`` [T] int64; a slot < 0 leaves the cache untouched. Each
+    block's [block_size, Hkv, D] rows must be contiguous; the blocks themselves
+    may lie any fixed stride apart.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
     key = key.contiguous()
     value = value.contiguous()
-    # A slot is one [Hkv, D] row of the flattened [num_blocks * block_size, Hkv, D] half;
-    # that needs each half to be one run of rows (a hybrid model's shared pages are not).
-    if not kv_cache[0].is_contiguous():
+    key_cache, value_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D] each
+    if not key_cache[0].is_contiguous():
         raise ValueError(
-            "The Triton attention backend needs each layer's K and V halves contiguous; this cache "
-            f"has strides {tuple(kv_cache.stride())} (a hybrid model's shared pages). "
-            "Use attention_backend='torch' for it."
+            f"The Triton attention backend needs each block's rows contiguous; this cache has strides "
+            f"{tuple(kv_cache.stride())} for shape {tuple(kv_cache.shape)}."
         )
-    key_rows = kv_cache[0].flatten(0, 1)
-    value_rows = kv_cache[1].flatten(0, 1)
     row = key.shape[1] * key.shape[2]
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
-        key_rows,
-        value_rows,
+        key_cache,
+        value_cache,
         slot_mapping,
         key.stride(0),
         value.stride(0),
-        key_rows.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.shape[1],
         ROW=row,
         ROW_P=triton.next_power_of_2(row),
     )
