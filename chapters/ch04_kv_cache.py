@@ -1,6 +1,6 @@
-"""Chapter 4 -- the KV cache manager: paged blocks, prefix caching, eviction, preemption.
+"""Chapter 4 -- the KV cache manager: paged blocks, prefix caching, eviction, preemption, hybrid groups.
 
-Four experiments on the live engine, read off the step tracer and the pool:
+Four experiments on live engines, read off the step tracer and the pool:
 
 1. a shared system prompt: two requests' block tables point at the same
    blocks (``ref_cnt`` 2), and later requests hit the prefix cache;
@@ -8,10 +8,16 @@ Four experiments on the live engine, read off the step tracer and the pool:
    scheduler preempts, and the victim is re-prefilled later -- mostly from the
    prefix cache, because freeing a block does not erase it (timeline picture);
 3. LRU eviction: freed blocks queue up tail-first, so a request's suffix is
-   evicted before its prefix, and a rerun still hits the prefix.
+   evicted before its prefix, and a rerun still hits the prefix;
+4. a hybrid model (Qwen3.5: Gated DeltaNet layers beside full attention): the
+   page-size arithmetic that lets its KV cache groups share one pool, then one
+   request step by step -- its attention table grows with the sequence, each
+   state group keeps one block, and every block comes back at the end
+   (``chapters/ch04_groups.py``, which also prints every group's block table).
 
     python -m chapters.ch04_kv_cache [--model DIR] [--block-size N] [--num-blocks N]
                                      [--max-num-batched-tokens N] [--timeline PATH]
+                                     [--hybrid-model NAME_OR_DIR | none]
 """
 
 from __future__ import annotations
@@ -19,12 +25,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from rich.table import Table
-
 from chapters._common import base_parser, console
 from chapters.ch03_scheduler import token_ids
+from chapters.ch04_groups import HYBRID_MODEL, HybridRun, block_table, hybrid_run
 from nanoengine import LLM, SamplingParams
-from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.renderers.hf import TokensPrompt
 
 SYSTEM_TEXT = "You are a helpful assistant. Answer briefly and precisely. "
@@ -44,26 +48,7 @@ class Ch04Result:
     evicted_block_ids: list[int]  # experiment 3: what the unrelated request evicted
     rerun_hit_tokens: int  # experiment 3: the first request's rerun still hits its prefix
     timeline_paths: list[str]
-
-
-def block_table(scheduler: Scheduler, request_id: str) -> Table:
-    """One request's block table: which tokens each block holds, its hash and ref count."""
-    manager = scheduler.kv_cache_manager
-    table = Table(title=f"block table of request {request_id!r} (block_size={manager.block_size})")
-    for column in ("#", "block id", "tokens", "ref_cnt", "hash"):
-        table.add_column(column)
-    (blocks,) = manager.coordinator.get_blocks(request_id)  # one KV cache group
-    for index, block in enumerate(blocks):
-        first = index * manager.block_size
-        digest = block.block_hash.hex()[:10] if block.block_hash is not None else "(not full yet)"
-        table.add_row(
-            str(index),
-            str(block.block_id),
-            f"{first}-{first + manager.block_size - 1}",
-            str(block.ref_cnt),
-            digest,
-        )
-    return table
+    hybrid: HybridRun | None  # experiment 4 (None: skipped with --hybrid-model none)
 
 
 def shared_system_prompt(args: argparse.Namespace, bs: int) -> tuple[list[int], float]:
@@ -169,7 +154,9 @@ def lru_eviction(llm: LLM, bs: int) -> tuple[list[int], list[int], int]:
 def main(argv: list[str] | None = None) -> Ch04Result:
     parser = base_parser(__doc__ or "")
     parser.set_defaults(max_tokens=32)  # experiment 2: long enough to outgrow the cache
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV cache block (a hybrid model may raise it)"
+    )
     parser.add_argument(
         "--num-blocks", type=int, default=None, help="KV blocks of experiments 2-3 (default 10)"
     )
@@ -177,13 +164,29 @@ def main(argv: list[str] | None = None) -> Ch04Result:
     parser.add_argument(
         "--timeline", default=None, help="write experiment 2's timeline to PATH (.png and .svg)"
     )
+    parser.add_argument(
+        "--hybrid-model",
+        default=HYBRID_MODEL,
+        help="experiment 4's hybrid model, run with random weights (default %(default)s; 'none' skips it)",
+    )
     args: argparse.Namespace = parser.parse_args(argv)
     bs = args.block_size
     shared, hit_rate = shared_system_prompt(args, bs)
     llm, num_preemptions, resume_hits, recomputed, paths = preemption(args, bs)
     cached_head, evicted, rerun_hit = lru_eviction(llm, bs)
+    skip_hybrid = args.hybrid_model.lower() == "none"
+    hybrid = None if skip_hybrid else hybrid_run(args.hybrid_model, bs, args.max_num_batched_tokens)
     return Ch04Result(
-        shared, hit_rate, num_preemptions, resume_hits, recomputed, cached_head, evicted, rerun_hit, paths
+        shared,
+        hit_rate,
+        num_preemptions,
+        resume_hits,
+        recomputed,
+        cached_head,
+        evicted,
+        rerun_hit,
+        paths,
+        hybrid,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,11 +24,16 @@ def test_ch03_budget_chunks_mixing_and_priority(tiny_llama: str, capsys: pytest.
     assert "chunks" in out and "priority" in out and "low:P0-29" in out
 
 
-def test_ch04_sharing_preemption_and_lru(
-    tiny_llama: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_ch04_sharing_preemption_lru_and_hybrid(
+    tiny_llama: str,
+    tiny_model_factory: Callable[..., str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     timeline = tmp_path / "ch04_timeline.png"
-    result = ch04_kv_cache.main(["--model", tiny_llama, "--timeline", str(timeline), "--block-size", "8"])
+    hybrid_model = tiny_model_factory("qwen3_5")  # experiment 4 (tests/test_ch04_hybrid.py looks closer)
+    plain = ["--model", tiny_llama, "--timeline", str(timeline), "--block-size", "8"]
+    result = ch04_kv_cache.main([*plain, "--hybrid-model", hybrid_model])
     assert len(result.shared_block_ids) == 3  # the 3-block system prompt, held by both tables
     assert result.prefix_hit_rate > 0.4
     assert result.num_preemptions >= 1
@@ -37,5 +43,10 @@ def test_ch04_sharing_preemption_and_lru(
     assert result.rerun_hit_tokens == 2 * 8
     assert sorted(Path(p).suffix for p in result.timeline_paths) == [".png", ".svg"]
     assert timeline.exists() and timeline.with_suffix(".svg").exists()
+    # Experiment 4 ran with the chapter's defaults: the 31-token prompt in one 128-token step.
+    assert result.hybrid is not None and result.hybrid.block_size == 16
+    assert [len(step.state_block_ids) for step in result.hybrid.steps] == [3] * len(result.hybrid.steps)
+    assert result.hybrid.num_free_blocks_after == result.hybrid.num_usable_blocks
     out = capsys.readouterr().out
     assert "block table of request 'a'" in out and "preemption" in out and "hit rate" in out
+    assert "this engine's arithmetic" in out and "4 KV cache groups" in out
