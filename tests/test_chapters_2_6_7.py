@@ -30,7 +30,47 @@ def test_ch02_measures_every_batch_size_and_the_crossovers(
     # H200 bf16: 989e12 * 2 / (2 * 4.8e12) ~ 206 requests before decode is compute-bound.
     assert round(result.gpu_crossover_batch) == 206
     assert result.plot_path == str(plot) and plot.exists()
-    assert "Memory-bound or compute-bound" in capsys.readouterr().out
+    # Section 4 in the engine's dtype: the twin keeps K and V in all 24 layers, the hybrid in 6.
+    twin, hybrid = result.layer_mix
+    element_bytes = torch.tensor([], dtype=getattr(torch, result.dtype)).element_size()
+    assert twin.kv_bytes_per_token == 2 * 24 * 2 * 256 * element_bytes == 4 * hybrid.kv_bytes_per_token
+    out = capsys.readouterr().out
+    assert "Memory-bound or compute-bound" in out
+    assert "Llama against Qwen3.5" in out and "hybrid / Llama" in out
+
+
+def test_ch02_llama_twin_against_qwen3_5() -> None:
+    """Issue 15: the same sizes, only the layer mix differs; 8 GiB of fp32 KV cache."""
+    twin, hybrid = ch02_batching.layer_mix_rows("float32", block_size=16)
+    config = ch02_batching.llama_twin_config(ch02_batching.hybrid_config())
+    shape = (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    assert shape == (24, 8, 2, 256)
+    hidden, ffn, heads, kv_heads, head_dim = config.hidden_size, config.intermediate_size, 8, 2, 256
+    # Llama's parameters: a tied embedding, then per layer q, k, v, o, the gated FFN and two norms; a final norm.
+    per_layer = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * ffn + 2 * hidden
+    assert twin.num_parameters == config.vocab_size * hidden + 24 * per_layer + hidden
+    assert 0.8 < twin.num_parameters / hybrid.num_parameters < 1  # of similar size
+    # K and V, every layer, 2 KV heads of 256, 4 bytes: 96 KiB a token; the hybrid's 6 layers a quarter.
+    assert twin.kv_bytes_per_token == 2 * 24 * kv_heads * head_dim * 4 == 98_304
+    assert hybrid.kv_bytes_per_token == 98_304 // 4
+    assert (twin.state_bytes, twin.num_state_blocks, twin.block_size) == (0, 0, 16)
+    # Three state groups of 6 layers: 3 blocks per request, each a page in 6 tensors of 288 tokens.
+    assert (hybrid.num_state_blocks, hybrid.block_size) == (3, 288)
+    assert hybrid.state_bytes_held == 3 * 6 * 288 * 2 * 2 * 256 * 4 > hybrid.state_bytes
+    assert hybrid.blocks_per_request == {4096: 15 + 3, 32768: 114 + 3}
+    ratios = [hybrid.concurrency[n] / twin.concurrency[n] for n in ch02_batching.CONTEXT_LENGTHS]
+    # More requests fit either way; the fixed state blocks cost most at short context, and at
+    # 32k the ratio nears, but stays under, the 4x of the bytes per token.
+    assert 1 < ratios[0] < ratios[1] < 4
+    assert hybrid.concurrency[32768] > twin.concurrency[32768]
+
+
+def test_ch02_docs_quote_what_the_table_prints_in_bf16() -> None:
+    """docs/chapters/ch02.md copies the bf16 rows: they must still be what the code gives."""
+    page = (Path(__file__).parents[1] / "docs" / "chapters" / "ch02.md").read_text(encoding="utf-8")
+    for row in ch02_batching.layer_mix_rows("bfloat16", block_size=16):
+        concurrency = " | ".join(f"{row.concurrency[n]:.1f}" for n in ch02_batching.CONTEXT_LENGTHS)
+        assert f"| {row.block_size} | {row.num_blocks} | {concurrency} |" in page, row
 
 
 def test_ch06_breakdown_dtypes_knobs_and_too_small_error(tiny_llama: str, capsys: pytest.CaptureFixture[str]) -> None:

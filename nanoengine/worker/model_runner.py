@@ -18,7 +18,7 @@ bitmask (structured output), which it computes while the forward pass runs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -36,12 +36,12 @@ from nanoengine.core.sched.output import (
     SchedulerOutput,
 )
 from nanoengine.distributed.kv_transfer.worker_side import SharedStorageConnectorWorker
-from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
+from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from nanoengine.logprobs import LogprobsLists
+from nanoengine.model_executor import model_loader
 from nanoengine.model_executor.custom_op import enable_cpu_kernels
 from nanoengine.model_executor.layers.cpu_linear import resolve_linear_backend
 from nanoengine.model_executor.layers.mamba.gdn import bind_mamba_state
-from nanoengine.model_executor import model_loader
 from nanoengine.model_executor.models.registry import CausalLM
 from nanoengine.sample.logprobs import LogprobsTensors
 from nanoengine.sample.metadata import SamplingMetadata
@@ -63,6 +63,7 @@ from nanoengine.worker.input_batch import (
     order_decodes_first,
     prepare_inputs,
 )
+from nanoengine.worker.kv_cache_spec import attention_spec, kv_cache_spec
 from nanoengine.worker.kv_cache_tensors import (
     attention_layers,
     bind_shared_pages,
@@ -160,39 +161,10 @@ class ModelRunner(TreeNode):
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.get_model().parameters())
 
-    def _attention_spec(self) -> FullAttentionSpec:
-        """The K/V layout of the full-attention layers: all of them, but in a hybrid model."""
-        return FullAttentionSpec(
-            block_size=self.block_size,
-            num_kv_heads=self.model_config.num_kv_heads,
-            head_dim=self.model_config.head_dim,
-            dtype_size=torch.tensor([], dtype=self.dtype).element_size(),
-            num_layers=self.model_config.layer_types.count("full_attention"),
-        )
-
     def get_kv_cache_spec(self) -> FullAttentionSpec | dict[int, KVCacheSpec]:
-        """What the KV cache of this model is made of (chapter 6).
-
-        A plain model: one spec for all its layers. A hybrid model: one spec
-        per layer index, as vLLM's workers report it -- a ``FullAttentionSpec``
-        of one layer, or a ``MambaSpec`` holding a state layer's state shapes,
-        whose one block stands for a whole request (``block_size`` =
-        ``max_model_len``). The engine core groups them (``core/kv_cache_groups.py``).
-        """
-        attention = self._attention_spec()
-        if not self.model_config.is_hybrid:
-            return attention
-        one_layer = replace(attention, num_layers=1)
-        states = iter(state_layers(self.get_model()))
+        """What the KV cache of this model is made of (chapter 6; ``worker/kv_cache_spec.py``)."""
         max_model_len = self.engine_config.scheduler_config.max_model_len
-        specs: dict[int, KVCacheSpec] = {}
-        for index, kind in enumerate(self.model_config.layer_types):
-            if kind == "full_attention":
-                specs[index] = one_layer
-            else:
-                shapes = next(states).get_state_shapes()
-                specs[index] = MambaSpec(shapes, attention.dtype_size, block_size=max_model_len)
-        return specs
+        return kv_cache_spec(self.get_model(), self.model_config, self.block_size, self.dtype, max_model_len)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per
@@ -204,7 +176,7 @@ class ModelRunner(TreeNode):
         memset every page up front: seconds for a few GiB). The pages are kept
         at 4 KiB (``page_advice.py``): a first write then never stalls a step.
         """
-        spec = self._attention_spec()
+        spec = attention_spec(self.model_config, self.block_size, self.dtype)
         shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         if self.device.type != "cpu":
             return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]

@@ -55,6 +55,19 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def construct_model(
+    model_cls: type[CausalLM], hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device
+) -> CausalLM:
+    """``model_cls(hf_config)`` with empty parameters.
+
+    Parameters are created as torch.empty in these contexts: already on the
+    device, already in the dtype, waiting for the checkpoint to fill them. On
+    the ``meta`` device they get shapes and no memory (``worker/kv_cache_spec.py``).
+    """
+    with default_dtype(dtype), torch.device(device):
+        return model_cls(hf_config)
+
+
 def get_model(
     model_path: str,
     hf_config: PretrainedConfig,
@@ -83,10 +96,7 @@ def get_model(
     if load_format == "auto":
         # Fail on a weightless directory before spending time building the model.
         safetensors_files(model_path)
-    # Parameters are created as torch.empty in these contexts: already on the
-    # device, already in the dtype, waiting for the checkpoint to fill them.
-    with default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config)
+    model = construct_model(model_cls, hf_config, dtype, device)
     # Narrows the protocol to "CausalLM and nn.Module" for the calls below.
     assert isinstance(model, nn.Module), f"{model_cls.__name__} must be an nn.Module"
     if load_format == "dummy":
