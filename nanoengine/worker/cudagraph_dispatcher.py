@@ -65,7 +65,9 @@ class CudagraphDispatcher:
     def dispatch(self, num_reqs: int, num_tokens: int, block_table_width: int) -> CudagraphDecision:
         """Graph only for pure decode batches that fit a captured shape."""
         if not self.enabled:
-            return CudagraphDecision(False, num_tokens, "CUDA graphs are off (enforce_eager or no CUDA)")
+            return CudagraphDecision(
+                False, num_tokens, "CUDA graphs are off (enforce_eager, no CUDA, or a hybrid model)"
+            )
         if num_tokens != num_reqs:
             return CudagraphDecision(False, num_tokens, "the step has a prefill: shapes vary, run eager")
         largest = self.capture_sizes[-1]

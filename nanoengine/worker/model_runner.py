@@ -128,6 +128,9 @@ class ModelRunner(TreeNode):
         # CUDA graphs (chapter 7): decode only, on CUDA, with the capturable
         # Triton backend, unless enforce_eager. The dispatcher exists either way
         # so every step records its decision (chapter 7 prints them on a CPU).
+        # Not for a hybrid model: its Gated DeltaNet layers pick state slots and
+        # fresh-or-continuing states from metadata the graph buffers do not hold
+        # (vLLM captures them with Mamba metadata of its own).
         sched = engine_config.scheduler_config
         self.max_blocks_per_req = cdiv(sched.max_model_len, self.block_size)
         self.dispatcher = CudagraphDispatcher(
@@ -135,6 +138,7 @@ class ModelRunner(TreeNode):
             self.max_blocks_per_req,
             enabled=device.type == "cuda"
             and not self.model_config.enforce_eager
+            and not self.model_config.is_hybrid
             and self.attention_backend == "triton",
         )
         self.cudagraph_runner: CUDAGraphRunner | None = None
