@@ -115,6 +115,8 @@ def render_stub(exercise: Exercise) -> str:
     relpath = exercise.path.relative_to(REPO_ROOT).as_posix()
     chapter = exercise.exercise_id.partition(".")[0]
     imports = "\n\n".join(_imports(exercise, importlib.import_module(exercise.module)))
+    # Two blank lines before the ``def``, as isort wants, whether or not anything is imported.
+    import_block = f"{imports}\n\n\n" if imports else "\n"
     exercise_id = exercise.exercise_id
     return (
         f'"""Exercise {exercise_id} (chapter {chapter}): write ``{exercise.qualname}``.\n\n'
@@ -125,7 +127,7 @@ def render_stub(exercise: Exercise) -> str:
         f"``python -m chapters.grade {exercise_id} --reset``.\n"
         '"""\n\n'
         "from __future__ import annotations\n\n"
-        f"{imports}\n\n\n"
+        f"{import_block}"
         f"{header}\n{body}\n"
         f'    raise NotImplementedError("Exercise {exercise_id}: see docs/exercises/{exercise_id}")\n'
     )

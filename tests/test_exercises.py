@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from exercise_mutants import Mutant, ch1, ch3, ch4, ch5, ch6, ch7, ch8
+from exercise_mutants import Mutant, ch1, ch3, ch4, ch4_hybrid, ch5, ch6, ch7, ch8
 
 from chapters.exercise_stubs import check as check_stubs
 from chapters.exercise_stubs import is_untouched, render_stub, reset_stub, write
@@ -27,9 +27,9 @@ from chapters.grade_checks import CHECKS
 STUDENT = os.environ.get("NANOENGINE_STUDENT") == "1"
 EXERCISES = find_exercises()
 # The exercises the course promises; more may be added, none may disappear.
-REQUIRED = {"1.1", "3.1", "3.2", "4.1", "4.2", "4.3", "5.1", "5.2", "6.1", "7.1", "8.1", "8.2"}
-MUTANTS: list[Mutant] = [*ch1.MUTANTS, *ch3.MUTANTS, *ch4.MUTANTS, *ch5.MUTANTS, *ch6.MUTANTS, *ch7.MUTANTS,
-                          *ch8.MUTANTS]
+REQUIRED = {"1.1", "3.1", "3.2", "4.1", "4.2", "4.3", "4.4", "4.5", "5.1", "5.2", "6.1", "7.1", "8.1", "8.2"}
+MUTANTS: list[Mutant] = [*ch1.MUTANTS, *ch3.MUTANTS, *ch4.MUTANTS, *ch4_hybrid.MUTANTS, *ch5.MUTANTS,
+                          *ch6.MUTANTS, *ch7.MUTANTS, *ch8.MUTANTS]
 # Every exercise gets at least this many planted mistakes for its grader to catch.
 MIN_MUTANTS = 3
 

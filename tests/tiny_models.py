@@ -2,25 +2,23 @@
 
 Each directory is what a user would download: config.json, model.safetensors,
 a byte-level BPE tokenizer trained here on a few sentences, a chat template and
-generation_config.json. Nothing comes from the network.
+generation_config.json. Nothing comes from the network. The config and the
+random weights come from ``chapters/grade_checks/tiny_model.py``; this module
+adds the tokenizer.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    GenerationConfig,
-    LlamaConfig,
-    PretrainedConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen3_5TextConfig,
-    Qwen3Config,
-)
+from transformers import PreTrainedTokenizerFast
+
+# The configs and weights are the grader's too (its hybrid exercises run on a
+# tiny Qwen3.5); re-exported here, where the tests have always found them.
+from chapters.grade_checks.tiny_model import TINY_QWEN3_5_LAYERS, tiny_config, write_random_model
+
+__all__ = ["TINY_QWEN3_5_LAYERS", "make_tiny_model_dir", "tiny_config", "train_tokenizer"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -57,75 +55,11 @@ def train_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     return fast
 
 
-# Qwen3.5's layers, by kind: "linear_attention" (Gated DeltaNet, a state per
-# request) or "full_attention" (a paged KV cache). Two patterns keep the tests
-# honest about which layer index is which kind.
-TINY_QWEN3_5_LAYERS = {
-    "qwen3_5": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-    "qwen3_5-alt": ["full_attention", "linear_attention", "full_attention", "linear_attention"],
-}
-
-
-def tiny_config(arch: str, vocab_size: int, tie: bool = True) -> PretrainedConfig:
-    """2 layers, 4 query heads over 2 KV heads (GQA), head_dim 16; Qwen3.5: the 4
-    layers of ``TINY_QWEN3_5_LAYERS``, head_dim 32 (8 rotated dims), linear
-    attention with 2 key heads and 4 value heads of 16."""
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie,
-        bos_token_id=0,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    if arch == "llama":
-        return LlamaConfig(**common, rms_norm_eps=1e-5)
-    if arch == "qwen2":
-        return Qwen2Config(**common, rms_norm_eps=1e-6)
-    if arch == "qwen3":
-        return Qwen3Config(**common, head_dim=16, rms_norm_eps=1e-6)
-    if arch in TINY_QWEN3_5_LAYERS:
-        layers = TINY_QWEN3_5_LAYERS[arch]
-        config = Qwen3_5TextConfig(
-            **{**common, "num_hidden_layers": len(layers)},
-            layer_types=layers,
-            head_dim=32,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-            rms_norm_eps=1e-6,
-        )
-        config.architectures = ["Qwen3_5ForCausalLM"]
-        return config
-    raise ValueError(f"unknown tiny architecture {arch!r}")
-
-
 def make_tiny_model_dir(path: Path, arch: str, tie: bool = True, seed: int = 0) -> Path:
-    """Write a complete HF model directory and return it."""
+    """Write a complete HF model directory (with a tokenizer) and return it."""
     tokenizer = train_tokenizer()
     config = tiny_config(arch, vocab_size=len(tokenizer), tie=tie)
     config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random init gives near-uniform logits; a larger scale makes greedy argmax
-    # decisive, so the parity tests compare real decisions, not ties.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.2)
-            elif name.endswith("norm.weight") and ".linear_attn." not in name and arch in TINY_QWEN3_5_LAYERS:
-                # Qwen3.5's norms scale by 1 + w and HF starts w at 0: draw it, so a
-                # dropped "1 +" would show in the parity tests.
-                param.normal_(0.0, 0.3)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    write_random_model(path, config, seed)
     tokenizer.save_pretrained(path)
-    GenerationConfig(eos_token_id=config.eos_token_id, bos_token_id=0).save_pretrained(path)
     return path

@@ -58,6 +58,7 @@ class EngineRun:
     num_preemptions: int
     prefix_cache_hits: int
     num_blocks: int
+    block_size: int  # tokens per attention block, once a hybrid model's states are fitted in
 
 
 def greedy_run(model: str, prompts: list[list[int]], max_tokens: int = 16,
@@ -76,6 +77,7 @@ def greedy_run(model: str, prompts: list[list[int]], max_tokens: int = 16,
         num_preemptions=stats.num_preemptions,
         prefix_cache_hits=stats.prefix_cache_hits,
         num_blocks=core.kv_cache_config.num_blocks,
+        block_size=core.kv_cache_config.block_size,
     )
 
 

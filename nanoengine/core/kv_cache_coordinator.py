@@ -58,18 +58,22 @@ class KVCacheCoordinator(TreeNode, ABC):
         """The request's block table in each group (empty for an unknown request)."""
         return tuple(manager.get_blocks(request_id) for manager in self.single_type_managers)
 
+    # BEGIN EXERCISE 4.4
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]
     ) -> int:
         """Free blocks the request would consume, over all groups, to hold ``num_tokens``.
 
-        One sum against one pool: that is what makes ``allocate_slots`` all or
-        nothing across groups (no group gets blocks unless every group can).
+        ``num_tokens`` counts from the request's first token; ``new_computed_blocks``
+        holds each group's prefix-cache hits, in group order. One sum against one
+        pool: that is what makes ``allocate_slots`` all or nothing across groups
+        (no group gets blocks unless every group can).
         """
         return sum(
             manager.get_num_blocks_to_allocate(request_id, num_tokens, hit_blocks)
             for manager, hit_blocks in zip(self.single_type_managers, new_computed_blocks, strict=True)
         )
+    # END EXERCISE 4.4
 
     def save_new_computed_blocks(
         self, request_id: str, new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]

@@ -131,17 +131,24 @@ def group_kv_cache_layers(layer_specs: Mapping[int, KVCacheSpec]) -> KVCacheLayo
     )
 
 
+# BEGIN EXERCISE 4.5
 def unified_block_size(requested: int, attention_bytes_per_token: int, state_bytes: int) -> int:
     """The attention block size once an attention page must hold a whole state.
 
-    The smallest multiple of ``ATTENTION_BLOCK_ALIGNMENT`` tokens whose K and V
-    take at least ``state_bytes``, unless ``requested`` is larger already (vLLM
-    keeps a larger block size the user asked for, and pads the state more).
+    ``attention_bytes_per_token`` is K and V of one token in one attention
+    layer; ``state_bytes`` is one request's state in one state layer (0 when
+    the model has none: then ``requested`` stands). The answer is the smallest
+    multiple of ``ATTENTION_BLOCK_ALIGNMENT`` tokens whose K and V take at
+    least ``state_bytes``, unless ``requested`` is larger already (vLLM keeps
+    a larger block size the user asked for, and pads the state more).
     """
     if state_bytes == 0:
         return requested
     bytes_per_step = ATTENTION_BLOCK_ALIGNMENT * attention_bytes_per_token
     return max(requested, ATTENTION_BLOCK_ALIGNMENT * cdiv(state_bytes, bytes_per_step))
+
+
+# END EXERCISE 4.5
 
 
 def _the_one_spec(
