@@ -61,9 +61,9 @@ from nanoengine.model_executor.layers.cpu_linear import (
     resolve_linear_backend,
 )
 from nanoengine.model_executor.layers.layernorm import RMSNorm
-from nanoengine.model_executor.layers.linear import QKVLinear
+from nanoengine.model_executor.layers.linear import QKVParallelLinear
 from nanoengine.model_executor.layers.rotary_embedding import RotaryEmbedding, default_inv_freq
-from nanoengine.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
+from nanoengine.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoengine.model_executor.model_loader import get_model
 from nanoengine.platforms.cpu import cpu_bf16_features
 from nanoengine.worker.page_advice import advise_no_huge_pages
@@ -381,13 +381,13 @@ LINEAR_TOLERANCE: dict[torch.dtype, Tolerance] = {
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 13, 64])
 def test_packed_linear_matches_f_linear(backend: str, bias: bool, rows: int, dtype: torch.dtype) -> None:
-    """A packed Linear gives F.linear's result, for any leading dims and strided rows."""
+    """A packed linear layer gives F.linear's result, for any leading dims and strided rows."""
     if backend_refused(backend, dtype):
         return
     # 80 output columns: two full 32-column panels of the C++ GEMM and a partial
     # one; 13 rows: a full 12-row register tile and a 1-row tail. K = 48: bf16
     # panels pad it to 64.
-    layer = QKVLinear(hidden_size=48, head_dim=8, num_heads=6, num_kv_heads=2, bias=bias)
+    layer = QKVParallelLinear(hidden_size=48, head_size=8, total_num_heads=6, total_num_kv_heads=2, bias=bias)
     torch.nn.init.normal_(layer.weight)
     if layer.bias is not None:
         torch.nn.init.normal_(layer.bias)
@@ -534,9 +534,9 @@ def test_bf16_gemm_kernels_agree(rows: int, k: int, n: int) -> None:
 
 @pytest.mark.parametrize("backend", PACKED_BACKENDS)
 def test_tied_lm_head_packs_its_own_copy(backend: str) -> None:
-    embedding = VocabEmbedding(100, 16)
+    embedding = VocabParallelEmbedding(100, 16)
     torch.nn.init.normal_(embedding.weight)
-    head = LMHead(100, 16, tied_to=embedding)
+    head = ParallelLMHead(100, 16, tied_to=embedding)
     hidden = torch.randn(3, 16)
     want = head(hidden)
     plain = embedding.weight.detach().clone()
@@ -576,7 +576,7 @@ def test_resolve_linear_backend() -> None:
 def test_packed_model_logits_match_torch_model(
     backend: str, family: str, tiny_model_factory: Callable[..., str], dtype: torch.dtype
 ) -> None:
-    """get_model packs every Linear and the LM head for ``backend``; the head's logits are F.linear's."""
+    """get_model packs every linear layer and the LM head for ``backend``; the head's logits are F.linear's."""
     if backend_refused(backend, dtype):
         return
     path = tiny_model_factory(family)

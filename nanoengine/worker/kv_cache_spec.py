@@ -14,6 +14,11 @@ PyTorch's ``meta`` device -- tensors with a shape and a dtype and no memory,
 built in a fraction of a second -- answers as well as a loaded one does
 (``meta_model``). The model runner calls ``kv_cache_spec`` on its loaded model;
 a walkthrough may call it on a meta model of any config.
+
+Under tensor parallelism each rank caches only its own KV heads
+(``kv_heads_per_rank``: an equal share, or one replicated head when there are
+fewer KV heads than ranks), so each worker reports the spec of its slice; the
+engine core, which sees one spec for all ranks, sizes the cache from it.
 """
 
 from __future__ import annotations
@@ -25,17 +30,23 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoengine.config import ModelConfig
+from nanoengine.distributed.parallel_state import get_tensor_model_parallel_world_size
+from nanoengine.distributed.utils import kv_heads_per_rank
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
 from nanoengine.model_executor.model_loader.loader import construct_model
 from nanoengine.model_executor.models.registry import get_model_class
 from nanoengine.worker.kv_cache_tensors import state_layers
 
 
-def attention_spec(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> FullAttentionSpec:
-    """The K/V layout of the full-attention layers: all of them, but in a hybrid model."""
+def attention_spec(
+    model_config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int | None = None
+) -> FullAttentionSpec:
+    """The K/V layout of the full-attention layers (all of them, but in a hybrid
+    model) on one rank of ``tp_size`` (default: this process's tensor-parallel size)."""
+    tp_size = get_tensor_model_parallel_world_size() if tp_size is None else tp_size
     return FullAttentionSpec(
         block_size=block_size,
-        num_kv_heads=model_config.num_kv_heads,
+        num_kv_heads=kv_heads_per_rank(model_config.num_kv_heads, tp_size),
         head_dim=model_config.head_dim,
         dtype_size=torch.tensor([], dtype=dtype).element_size(),
         num_layers=model_config.layer_types.count("full_attention"),

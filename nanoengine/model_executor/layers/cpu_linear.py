@@ -1,4 +1,4 @@
-"""Prepacked matmuls: the CPU fast paths of every ``Linear`` and the LM head.
+"""Prepacked matmuls: the CPU fast paths of every linear layer and the LM head.
 
 Chapter 7 (where a CPU step spends its time: almost all of it in these matmuls);
 chapter 2 measures the roofline they are compared against.
@@ -166,8 +166,10 @@ def cpu_linear(
 class PackableLinear(nn.Module):
     """A module with a [out, in] ``weight`` that can switch to a prepacked path.
 
-    ``Linear`` and ``LMHead`` inherit it; ``forward`` code calls ``self.matmul``
-    and never needs to know which path runs.
+    The linear layers (``linear.py``) and ``ParallelLMHead`` inherit it;
+    ``forward`` code calls ``self.matmul`` and never needs to know which path
+    runs. Under tensor parallelism the weight is this rank's shard, packed like
+    any other matrix.
     """
 
     weight: nn.Parameter
@@ -197,12 +199,15 @@ class PackableLinear(nn.Module):
             raise ValueError(f"cannot pack a weight for linear_backend={backend!r}")
         self.backend = backend
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """x [..., in] -> [..., out]; ``add_bias=False`` leaves the bias out (a
+        row-parallel layer adds it once, after summing the ranks' partial results)."""
+        bias = self.bias if add_bias else None
         if self.backend == "cpu":
-            return cpu_linear(x, self.weight, self.bias, self.out_features, self.bf16_kernel)
+            return cpu_linear(x, self.weight, bias, self.out_features, self.bf16_kernel)
         if self.backend == "onednn":
-            return onednn_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return onednn_linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 def process_weights_after_loading(model: nn.Module, backend: str) -> int:

@@ -13,6 +13,13 @@ Three things differ from the HF modeling code this must agree with token for tok
   checkpoint matrices (see ``layers/linear.py``); ``load_weights`` maps the names.
 * **Residual handed to the next norm** (see ``layers/layernorm.py``).
 
+Under tensor parallelism (chapter 6) the same classes build one rank's slice
+of the model: ``qkv_proj`` and ``gate_up_proj`` are column-parallel (this
+rank's heads, this rank's MLP units), ``o_proj`` and ``down_proj``
+row-parallel (their all-reduce makes the layer's output whole again), and the
+``Attention`` layer runs this rank's heads over a KV cache of this rank's KV
+heads. Nothing between the two all-reduces of a layer talks to other ranks.
+
 Qwen2 and Qwen3 are Llama plus a few switches (``DecoderVariant``); their files
 only choose the switches.
 """
@@ -28,17 +35,19 @@ from transformers import PretrainedConfig
 
 from nanoengine.attention.backends.abstract import AttentionMetadata
 from nanoengine.attention.layer import Attention
+from nanoengine.distributed.parallel_state import get_tensor_model_parallel_world_size
+from nanoengine.distributed.utils import check_tensor_parallel_size
 from nanoengine.model_executor.layers.activation import get_act_and_mul
 from nanoengine.model_executor.layers.layernorm import RMSNorm
 from nanoengine.model_executor.layers.linear import (
-    Linear,
-    MergedColumnLinear,
-    QKVLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
     ShardId,
-    copy_weight,
 )
 from nanoengine.model_executor.layers.rotary_embedding import get_rope
-from nanoengine.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
+from nanoengine.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from nanoengine.model_executor.models.utils import load_weight, name_list
 
 
 @dataclass(frozen=True)
@@ -85,13 +94,16 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
         super().__init__()
         hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = num_kv_heads_of(config)
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVLinear(
-            hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, variant.qkv_bias
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, self.head_dim, config.num_attention_heads, num_kv_heads_of(config), variant.qkv_bias
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden_size, variant.o_proj_bias)
+        # This rank's heads (all of them at one rank): the projection decided.
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, hidden_size, variant.o_proj_bias
+        )
         # Qwen3 normalises each head's q and k (over head_dim) to keep attention
         # logits in range; the norm must come before RoPE, as in training.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
@@ -102,7 +114,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata | None
     ) -> torch.Tensor:
-        # q [T, Hq * D], k and v [T, Hkv * D]
+        # q [T, Hq * D], k and v [T, Hkv * D] (this rank's heads)
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
@@ -117,12 +129,14 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
         super().__init__()
         hidden_size, intermediate = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate, intermediate], variant.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate, intermediate], variant.mlp_bias
+        )
         self.act_fn = get_act_and_mul(config.hidden_act)
-        self.down_proj = Linear(intermediate, hidden_size, variant.mlp_bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden_size, variant.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [T, hidden] -> [T, 2 * intermediate] -> [T, intermediate] -> [T, hidden]
+        # [T, hidden] -> [T, 2 * I/N] -> [T, I/N] -> [T, hidden] (I: intermediate, N: TP ranks)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
@@ -162,7 +176,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, variant) for _ in range(config.num_hidden_layers)
         )
@@ -209,12 +223,6 @@ def to_checkpoint_names(model_name: str) -> list[str]:
     return shards or [model_name]
 
 
-def _name_list(names: Iterable[str], limit: int = 10) -> str:
-    ordered = sorted(names)
-    more = f" ... and {len(ordered) - limit} more" if len(ordered) > limit else ""
-    return f"{ordered[:limit]}{more}"
-
-
 class LlamaForCausalLM(nn.Module):
     """The whole model: ``forward`` gives hidden states, ``compute_logits`` turns the
     rows that need sampling into logits (vLLM keeps the two apart so the LM head,
@@ -231,10 +239,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: PretrainedConfig) -> None:
         super().__init__()
         check_full_attention(hf_config)
+        check_tensor_parallel_size(hf_config, get_tensor_model_parallel_world_size())
         self.config = hf_config
         self.model = LlamaModel(hf_config, self.decoder_variant(hf_config))
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(
+        self.lm_head = ParallelLMHead(
             hf_config.vocab_size, hf_config.hidden_size, tied_to=self.model.embed_tokens if tied else None
         )
 
@@ -251,7 +260,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into this model; returns the parameter names filled.
 
-        Fused layers receive each projection as a shard. A tied LM head shares the
+        Fused layers receive each projection as a shard; parallel layers copy
+        this rank's slice of each tensor (``models/utils.load_weight``). A tied LM head shares the
         embedding's parameter, so a checkpoint ``lm_head.weight`` is then redundant;
         a checkpoint *without* one (tied weights saved once) gets the head tied here.
         Raises ValueError naming any checkpoint tensor with no home, or any
@@ -270,16 +280,11 @@ class LlamaForCausalLM(nn.Module):
                 if name != "lm_head.weight":  # a redundant copy of a tied head is fine
                     unknown.append(name)
                 continue
-            if shard_id is None:
-                copy_weight(params[model_name], tensor, name)
-            else:
-                fused = self.get_submodule(model_name.rpartition(".")[0])
-                assert isinstance(fused, MergedColumnLinear)
-                fused.load_shard(params[model_name], tensor, shard_id)
+            load_weight(self, model_name, params[model_name], tensor, shard_id, name)
             seen.add(name)
         if unknown:
             raise ValueError(
-                f"{type(self).__name__} has no parameter for checkpoint weights {_name_list(unknown)}."
+                f"{type(self).__name__} has no parameter for checkpoint weights {name_list(unknown)}."
             )
 
         missing = {ckpt for model_name in params for ckpt in to_checkpoint_names(model_name)} - seen
@@ -288,5 +293,5 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_to(self.model.embed_tokens)
             missing.discard("lm_head.weight")
         if missing:
-            raise ValueError(f"The checkpoint lacks weights {_name_list(missing)} for {type(self).__name__}.")
+            raise ValueError(f"The checkpoint lacks weights {name_list(missing)} for {type(self).__name__}.")
         return {to_model_name(name)[0] for name in seen}

@@ -41,24 +41,20 @@ from transformers import PretrainedConfig
 
 from nanoengine.attention.backends.abstract import AttentionMetadata
 from nanoengine.attention.layer import Attention
+from nanoengine.distributed.parallel_state import get_tensor_model_parallel_world_size
+from nanoengine.distributed.utils import check_tensor_parallel_size
 from nanoengine.model_executor.layers.linear import (
-    Linear,
-    MergedColumnLinear,
-    QKVLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
     ShardId,
-    copy_weight,
 )
 from nanoengine.model_executor.layers.mamba.gdn import GatedDeltaNetAttention
 from nanoengine.model_executor.layers.rotary_embedding import get_rope
-from nanoengine.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
+from nanoengine.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoengine.model_executor.models.llama import STACKED_PARAMS as LLAMA_STACKED_PARAMS
-from nanoengine.model_executor.models.llama import (
-    DecoderVariant,
-    LlamaMLP,
-    _name_list,
-    head_dim_of,
-    num_kv_heads_of,
-)
+from nanoengine.model_executor.models.llama import DecoderVariant, LlamaMLP, head_dim_of, num_kv_heads_of
+from nanoengine.model_executor.models.utils import load_weight, name_list
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -103,16 +99,17 @@ class Qwen3NextAttention(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = num_kv_heads_of(config)
         self.head_dim = head_dim_of(config)
         bias = bool(getattr(config, "attention_bias", False))
         # The checkpoint's q_proj is twice as tall as the heads: per head, D query
-        # rows then D gate rows. It loads unchanged into the "q" shard.
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, 2 * self.num_heads, self.num_kv_heads, bias
+        # rows then D gate rows. It loads unchanged into the "q" shard (and a
+        # rank's block of those rows is whole heads, each with its gate).
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, 2 * config.num_attention_heads, num_kv_heads_of(config), bias
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias)
+        self.num_heads = self.qkv_proj.num_heads // 2  # this rank's query heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = get_rope(self.head_dim, config)
@@ -181,7 +178,7 @@ class Qwen3_5Model(nn.Module):
             raise ValueError(
                 f"layer_types lists {len(layer_types)} layers, num_hidden_layers is {config.num_hidden_layers}."
             )
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, kind) for kind in layer_types)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -244,11 +241,13 @@ class Qwen3_5ForCausalLM(nn.Module):
     def __init__(self, hf_config: PretrainedConfig) -> None:
         super().__init__()
         self.config = hf_config.get_text_config()
+        # Refuses any tensor-parallel size but 1: the Gated DeltaNet layers are not sharded.
+        check_tensor_parallel_size(self.config, get_tensor_model_parallel_world_size())
         self.model = Qwen3_5Model(self.config)
         # HF ties according to the config it was built from (the outer one of a
         # multimodal checkpoint).
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(
+        self.lm_head = ParallelLMHead(
             self.config.vocab_size, self.config.hidden_size, tied_to=self.model.embed_tokens if tied else None
         )
 
@@ -283,16 +282,11 @@ class Qwen3_5ForCausalLM(nn.Module):
                 if model_name != "lm_head.weight":  # a redundant copy of a tied head is fine
                     unknown.append(name)
                 continue
-            if shard_id is None:
-                copy_weight(params[model_name], tensor, name)
-            else:
-                fused = self.get_submodule(model_name.rpartition(".")[0])
-                assert isinstance(fused, MergedColumnLinear)
-                fused.load_shard(params[model_name], tensor, shard_id)
+            load_weight(self, model_name, params[model_name], tensor, shard_id, name)
             loaded.add((model_name, shard_id))
         if unknown:
             raise ValueError(
-                f"{type(self).__name__} has no parameter for checkpoint weights {_name_list(unknown)}."
+                f"{type(self).__name__} has no parameter for checkpoint weights {name_list(unknown)}."
             )
 
         missing = {part for name in params for part in self._parts_of(name)} - loaded
@@ -302,12 +296,12 @@ class Qwen3_5ForCausalLM(nn.Module):
             missing.discard(("lm_head.weight", None))
         if missing:
             named = (f"{n} [{s}]" if s is not None else n for n, s in missing)
-            raise ValueError(f"The checkpoint lacks weights {_name_list(named)} for {type(self).__name__}.")
+            raise ValueError(f"The checkpoint lacks weights {name_list(named)} for {type(self).__name__}.")
         return {model_name for model_name, _ in loaded}
 
     def _parts_of(self, param_name: str) -> list[tuple[str, ShardId | None]]:
         """What must be loaded into one parameter: each shard of a fused weight, else itself."""
         owner = self.get_submodule(param_name.rpartition(".")[0])
-        if isinstance(owner, MergedColumnLinear):
+        if isinstance(owner, MergedColumnParallelLinear):
             return [(param_name, shard_id) for shard_id in owner.shard_ranges]
         return [(param_name, None)]

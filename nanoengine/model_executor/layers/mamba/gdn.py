@@ -38,7 +38,7 @@ from transformers import PretrainedConfig
 
 from nanoengine.attention.backends.abstract import AttentionMetadata
 from nanoengine.model_executor.layers.activation import SUPPORTED_HIDDEN_ACT
-from nanoengine.model_executor.layers.linear import Linear, MergedColumnLinear
+from nanoengine.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from nanoengine.model_executor.layers.mamba.ops import (
     causal_conv1d,
     causal_conv1d_update,
@@ -120,16 +120,19 @@ class GatedDeltaNetAttention(nn.Module):
         self.conv_kernel_size = int(config.linear_conv_kernel_dim)
         hidden_size = config.hidden_size
 
-        self.in_proj_qkvz = MergedColumnLinear(
+        # Built with the parallel layers at one rank only: a hybrid model refuses
+        # tensor_parallel_size > 1 (distributed/utils.check_tensor_parallel_size),
+        # because splitting these projections by head is not built.
+        self.in_proj_qkvz = MergedColumnParallelLinear(
             hidden_size, [self.conv_dim, self.value_dim], shard_ids=("qkv", "z")
         )
-        self.in_proj_ba = MergedColumnLinear(hidden_size, [self.num_v_heads] * 2, shard_ids=("b", "a"))
+        self.in_proj_ba = MergedColumnParallelLinear(hidden_size, [self.num_v_heads] * 2, shard_ids=("b", "a"))
         self.conv1d = DepthwiseConv1d(self.conv_dim, self.conv_kernel_size)
         # Per value head: the decay rate (stored as log A) and the softplus shift.
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         self.norm = RMSNormGated(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, hidden_size)
+        self.out_proj = RowParallelLinear(self.value_dim, hidden_size)
 
         # Plain attributes, like Attention.kv_cache: shared engine memory, not
         # model state (no state_dict entry, not moved by model.to). Bound by
