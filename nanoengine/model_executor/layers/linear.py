@@ -62,17 +62,17 @@ ShardId = int | str
 
 def copy_weight(param: torch.Tensor, loaded_weight: torch.Tensor, name: str) -> None:
     """Copy a checkpoint tensor into a parameter (casting its dtype), checking shapes."""
-    check_shape(loaded_weight, tuple(param.shape), name)
+    check_shape(loaded_weight, tuple(param.shape), f"Weight '{name}'")
     # .data: loading is not part of any autograd graph. copy_ also casts, which is
     # where a bf16 checkpoint becomes an fp32 model (or the reverse).
     param.data.copy_(loaded_weight)
 
 
-def check_shape(loaded_weight: torch.Tensor, expected: tuple[int, ...], name: str) -> None:
-    """ValueError unless the checkpoint tensor has the shape the model expects."""
+def check_shape(loaded_weight: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    """ValueError (``what`` has shape ...) unless the checkpoint tensor has the shape the model expects."""
     if tuple(loaded_weight.shape) != expected:
         raise ValueError(
-            f"Weight '{name}' has shape {tuple(loaded_weight.shape)} in the checkpoint "
+            f"{what} has shape {tuple(loaded_weight.shape)} in the checkpoint "
             f"but the model expects {expected}."
         )
 
@@ -139,7 +139,7 @@ class ColumnParallelLinear(LinearBase):
             raise ValueError(f"{type(self).__name__} has no shards; got shard {shard_id!r}.")
         rows = self.output_size_per_partition
         # Rows are dim 0 for both the weight [out, in] and the bias [out].
-        check_shape(loaded_weight, (self.output_size, *param.shape[1:]), "column-parallel weight")
+        check_shape(loaded_weight, (self.output_size, *param.shape[1:]), "The column-parallel weight")
         copy_weight(param, loaded_weight.narrow(0, self.tp_rank * rows, rows), "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -196,7 +196,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset, size = self.shard_ranges[shard_id]
         first, total = self.checkpoint_rows(shard_id)
         name = f"shard {shard_id!r}"
-        check_shape(loaded_weight, (total, *param.shape[1:]), name)
+        check_shape(loaded_weight, (total, *param.shape[1:]), f"The {name}")
         copy_weight(param.data.narrow(0, offset, size), loaded_weight.narrow(0, first, size), name)
 
 
@@ -272,7 +272,7 @@ class RowParallelLinear(LinearBase):
             copy_weight(param, loaded_weight, "row-parallel bias")
             return
         columns = self.input_size_per_partition
-        check_shape(loaded_weight, (self.output_size, self.input_size), "row-parallel weight")
+        check_shape(loaded_weight, (self.output_size, self.input_size), "The row-parallel weight")
         copy_weight(param, loaded_weight.narrow(1, self.tp_rank * columns, columns), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ class VocabShard:
 
     def load_rows(self, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
         """Copy this block of the checkpoint's [vocab_size, hidden] matrix; zero the padding."""
-        check_shape(loaded_weight, (self.vocab_size, *param.shape[1:]), "vocabulary matrix")
+        check_shape(loaded_weight, (self.vocab_size, *param.shape[1:]), "The vocabulary matrix")
         real = self.end - self.start
         copy_weight(param.data.narrow(0, 0, real), loaded_weight.narrow(0, self.start, real), "vocabulary rows")
         # Padding rows are never looked up, and their logits are cut off; zeros

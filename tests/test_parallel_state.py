@@ -1,0 +1,135 @@
+"""parallel_state and the communication ops: one process (nothing initialized) and two real ranks.
+
+Also the arithmetic of the split (``distributed/utils.py``): KV heads per rank,
+the first KV head of each rank, and ``check_tensor_parallel_size``, which the
+engine calls before it starts any process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tp_ranks import run_on_ranks
+from transformers import LlamaConfig
+
+from chapters.grade_checks.tiny_model import tiny_config
+from nanoengine.distributed import parallel_state
+from nanoengine.distributed.communication_op import (
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from nanoengine.distributed.parallel_state import (
+    destroy_model_parallel,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+    initialize_model_parallel,
+    model_parallel_is_initialized,
+)
+from nanoengine.distributed.utils import check_tensor_parallel_size, first_kv_head_of_rank, kv_heads_per_rank
+
+
+def test_nothing_initialized_means_one_rank_and_identity_ops() -> None:
+    assert not model_parallel_is_initialized()
+    assert (get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()) == (1, 0)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        get_tp_group()
+    with pytest.raises(RuntimeError, match="init_distributed_environment first"):
+        initialize_model_parallel(1)
+    t = torch.arange(6.0).view(2, 3)
+    assert tensor_model_parallel_all_reduce(t) is t
+    assert tensor_model_parallel_all_gather(t, dim=0) is t
+
+
+def collectives_on_a_rank() -> dict[str, Any]:
+    """Rank side: what the group says, and what the two collectives return."""
+    group = get_tp_group()
+    rank = group.rank_in_group
+    mine = torch.full((2, 3), float(rank + 1))
+    gathered_last = tensor_model_parallel_all_gather(torch.full((2, 1), float(rank)), dim=-1)
+    gathered_first = group.all_gather(torch.full((1, 3), float(rank)), dim=0)
+    reduced = tensor_model_parallel_all_reduce(mine)
+    out = {
+        "rank": rank,
+        "world_size": group.world_size,
+        "tp": (get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()),
+        "in_place": reduced is mine,
+        "reduced": reduced,
+        "gathered_last": gathered_last,
+        "gathered_first": gathered_first,
+        "pid": os.getpid(),
+    }
+    try:
+        initialize_model_parallel(2)
+    except RuntimeError as err:
+        out["second_init"] = str(err)
+    # Forgetting the group puts the process back on the one-rank paths.
+    destroy_model_parallel()
+    out["after_destroy"] = (model_parallel_is_initialized(), get_tensor_model_parallel_world_size())
+    with pytest.raises(ValueError, match=r"\(3\) must divide the world size \(2\)"):
+        initialize_model_parallel(3)
+    # Groups of one inside a world of two: every rank alone, collectives are identities.
+    initialize_model_parallel(1)
+    alone = get_tp_group()
+    out["groups_of_one"] = (alone.world_size, alone.rank_in_group, alone.ranks)
+    return out
+
+
+def test_two_ranks_form_a_group_and_reduce_and_gather() -> None:
+    ranks = run_on_ranks(collectives_on_a_rank, world_size=2)
+    for rank, got in enumerate(ranks):
+        assert (got["rank"], got["world_size"], got["tp"]) == (rank, 2, (2, rank))
+        assert got["in_place"]
+        torch.testing.assert_close(got["reduced"], torch.full((2, 3), 3.0))  # 1 + 2
+        torch.testing.assert_close(got["gathered_last"], torch.tensor([[0.0, 1.0], [0.0, 1.0]]))
+        torch.testing.assert_close(got["gathered_first"], torch.tensor([[0.0] * 3, [1.0] * 3]))
+        assert "already initialized" in got["second_init"]
+        assert got["after_destroy"] == (False, 1)
+        assert got["groups_of_one"] == (1, 0, [rank])
+    # run_on_ranks joined (reaped) both: the rank processes are gone.
+    assert not any(Path(f"/proc/{got['pid']}").exists() for got in ranks)
+    assert not parallel_state.model_parallel_is_initialized()  # this process never joined
+
+
+# ---- the split arithmetic -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kv_heads,tp,per_rank,first_heads",
+    [
+        (8, 2, 4, [0, 4]),  # split: 4 each
+        (3, 3, 1, [0, 1, 2]),  # SmolLM2-135M at TP=3: one each
+        (2, 4, 1, [0, 0, 1, 1]),  # replicated: ranks 0, 1 share head 0
+        (1, 2, 1, [0, 0]),  # multi-query: every rank holds the one head
+    ],
+)
+def test_kv_heads_split_or_replicated(kv_heads: int, tp: int, per_rank: int, first_heads: list[int]) -> None:
+    assert kv_heads_per_rank(kv_heads, tp) == per_rank
+    assert [first_kv_head_of_rank(kv_heads, tp, rank) for rank in range(tp)] == first_heads
+
+
+def test_check_tensor_parallel_size_names_both_numbers() -> None:
+    smollm = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
+    check_tensor_parallel_size(smollm, 3)
+    check_tensor_parallel_size(smollm, 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) must divide the number of attention heads \(9\)"):
+        check_tensor_parallel_size(smollm, 2)
+    six_heads = LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=64)
+    with pytest.raises(ValueError, match=r"\(2\) must divide the number of KV heads \(3\)"):
+        check_tensor_parallel_size(six_heads, 2)
+    odd_mlp = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=130)
+    with pytest.raises(ValueError, match=r"\(4\) must divide the MLP's intermediate_size \(130\)"):
+        check_tensor_parallel_size(odd_mlp, 4)
+    with pytest.raises(ValueError, match="at least 1, got 0"):
+        check_tensor_parallel_size(smollm, 0)
+
+
+def test_hybrid_models_refuse_more_than_one_rank() -> None:
+    hybrid = tiny_config("qwen3_5", vocab_size=320)
+    check_tensor_parallel_size(hybrid, 1)
+    with pytest.raises(ValueError, match="Gated DeltaNet.*tensor_parallel_size=1"):
+        check_tensor_parallel_size(hybrid, 2)
