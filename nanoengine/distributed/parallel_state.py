@@ -7,27 +7,21 @@ vLLM 0.32 counterpart: ``vllm/distributed/parallel_state.py``
 ``get_tensor_model_parallel_world_size``/``_rank``,
 ``destroy_model_parallel``, ``destroy_distributed_environment``).
 
-Tensor parallelism splits every big weight matrix across N processes, one per
-device (or, on a CPU, one per slice of the cores). Each process runs the same
-model code on its slice, and at a few points per layer they must combine their
-partial results: sum them (all-reduce, after a row-parallel matmul) or
-concatenate them (all-gather, for the LM head's logits). Those exchanges go
-through ``torch.distributed``, which first needs every process to join one
-*process group*: ``init_distributed_environment`` does that (gloo on a CPU,
-NCCL on CUDA GPUs), ``initialize_model_parallel`` then carves the
-tensor-parallel group out of it. nanoengine has no pipeline or data
-parallelism, so with N processes the TP group is usually the whole world.
+Tensor parallelism splits every big weight matrix across N processes. Each
+runs the same model code on its slice, and a few times per layer they combine
+partial results: sum them (all-reduce) or concatenate them (all-gather).
+Those exchanges go through ``torch.distributed``, which first needs every
+process to join one *process group*: ``init_distributed_environment`` does
+that (gloo on a CPU, NCCL on CUDA GPUs), ``initialize_model_parallel`` then
+carves the tensor-parallel group out of it (the whole world, as nanoengine
+has no pipeline or data parallelism).
 
-Model layers ask two questions at construction: how many ranks share this
-weight (``get_tensor_model_parallel_world_size``) and which slice is mine
-(``get_tensor_model_parallel_rank``). When nothing was initialized, the
-answers are 1 and 0: a single-process engine never creates a process group
-and never calls ``torch.distributed``; its layers take the plain paths.
-
-vLLM's ``GroupCoordinator`` also owns device communicators (custom all-reduce
-kernels, shared-memory broadcast queues, a second CPU group for metadata);
-this one keeps the two collectives the model needs, on the group's own
-backend.
+Layers ask, when built, how many ranks share a weight and which slice is
+theirs. With nothing initialized the answers are 1 and 0: a single-process
+engine never creates a group nor calls ``torch.distributed``. vLLM's
+``GroupCoordinator`` also owns device communicators (custom all-reduce
+kernels, shared-memory queues, a CPU group for metadata); this one keeps the
+two collectives the model needs.
 """
 
 from __future__ import annotations
@@ -65,10 +59,6 @@ class GroupCoordinator:
     def rank_in_group(self) -> int:
         return self.ranks.index(self.rank)
 
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank_in_group == 0
-
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the group, in place; returns it (any shape).
 
@@ -92,11 +82,6 @@ class GroupCoordinator:
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor.contiguous(), group=self.device_group)
         return torch.cat(parts, dim=dim)
-
-    def barrier(self) -> None:
-        """Wait until every rank of the group gets here."""
-        if self.world_size > 1:
-            dist.barrier(group=self.device_group)
 
 
 # Module state, as in vLLM: one world group and one tensor-parallel group per

@@ -63,6 +63,9 @@ def construct_model(
     Parameters are created as torch.empty in these contexts: already on the
     device, already in the dtype, waiting for the checkpoint to fill them. On
     the ``meta`` device they get shapes and no memory (``worker/kv_cache_spec.py``).
+    Under tensor parallelism the parallel layers read this process's rank
+    (``distributed/parallel_state.py``) and allocate only their slice; the
+    worker joins the group before it gets here.
     """
     with default_dtype(dtype), torch.device(device):
         return model_cls(hf_config)

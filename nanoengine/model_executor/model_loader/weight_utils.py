@@ -56,12 +56,15 @@ def initialize_dummy_weights(model: nn.Module, seed: int) -> None:
     is special-cased. A Llama ``RMSNorm`` then scales by about 1e-3, a
     zero-centred Qwen3.5 norm (which multiplies by 1 + w) by about 1.
 
-    Two choices differ from vLLM's, both because nanoengine runs one model on
-    one device. vLLM reseeds a fresh generator for every tensor with a fixed
-    seed (1234), so that every tensor-parallel rank draws the same values; here
-    one generator, seeded by ``ModelConfig.seed``, walks the parameters in
-    order, so two parameters of one shape do not come out as copies of each
-    other. vLLM walks ``state_dict()``, parameters and persistent buffers;
+    Two choices differ from vLLM's. vLLM reseeds a fresh generator for every
+    tensor with a fixed seed (1234); here one generator, seeded by
+    ``ModelConfig.seed``, walks the parameters in order, so two parameters of
+    one shape do not come out as copies of each other. Under tensor
+    parallelism every rank walks parameters of the same shapes in the same
+    order, so the parameters every rank holds whole (the norms) agree across
+    ranks; a sharded weight is drawn for the slice, so dummy weights at N ranks
+    are not those at one rank (vLLM's are not either) -- only a checkpoint
+    gives the same model at every N. vLLM walks ``state_dict()``, parameters and persistent buffers;
     nanoengine's models keep no persistent buffer (RoPE's ``inv_freq`` is
     recomputed from the config), and ``parameters()`` lists a tied embedding
     once instead of twice.
