@@ -6,8 +6,10 @@ per engine step.
 vLLM 0.32 counterpart: ``vllm/model_executor/`` (``layers/``, ``models/``,
 ``model_loader/``).
 
-Unlike vLLM there is no tensor parallelism and no quantization here, so every
-"parallel" layer of vLLM becomes a plain replicated one; the fused projections
-(``qkv_proj``, ``gate_up_proj``) and the weight-loading path are kept because they
-are what makes a vLLM model file read the way it does.
+The layers are vLLM's tensor-parallel ones (``layers/linear.py``,
+``layers/vocab_parallel_embedding.py``): at one rank each is a single matmul or
+lookup, at N ranks each holds and loads its slice (chapter 6). There is no
+quantization; the fused projections (``qkv_proj``, ``gate_up_proj``) and the
+weight-loading path are kept because they are what makes a vLLM model file read
+the way it does.
 """
