@@ -31,6 +31,7 @@ from rich.table import Table
 from chapters._common import base_parser, console
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.core import EngineCore
+from nanoengine.executor.uniproc_executor import UniProcExecutor
 from nanoengine.utils.method_taps import tap
 from nanoengine.worker.cudagraph_dispatcher import (
     CudagraphDecision,
@@ -91,7 +92,9 @@ class ForwardWatch:
 
 def _parts(llm: LLM) -> tuple[EngineCore, ModelRunner]:
     core = llm.llm_engine.engine_core.get_engine_core()
-    runner = core.model_executor.driver_worker.model_runner
+    executor = core.model_executor
+    assert isinstance(executor, UniProcExecutor), "the walkthrough reads the worker in this process (one rank)"
+    runner = executor.driver_worker.model_runner
     assert runner is not None
     return core, runner
 

@@ -3,7 +3,7 @@
 Chapter 6 (``LLM(...)`` construction) explains how these numbers become a KV cache
 of a certain size; chapter 2 (batch size) and chapter 3 (scheduler) show what the
 scheduler knobs do. vLLM 0.32 counterpart: ``vllm/config/`` (``ModelConfig``,
-``CacheConfig``, ``SchedulerConfig``, ``DeviceConfig``, ``VllmConfig``).
+``CacheConfig``, ``SchedulerConfig``, ``DeviceConfig``, ``ParallelConfig``, ``VllmConfig``).
 
 Plain dataclasses without torch: the scheduler and KV cache manager read them and
 must stay device-free. ``EngineArgs`` (engine/arg_utils.py) fills them in.
@@ -158,6 +158,26 @@ class KVTransferConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How many devices share one model (chapter 6, tensor parallelism).
+
+    vLLM 0.32 counterpart: ``vllm/config/parallel.py`` (``ParallelConfig``); only
+    tensor parallelism is built here, on one machine, so the world size is the
+    tensor-parallel size and every rank is also its local rank.
+    """
+
+    tensor_parallel_size: int = 1
+    # Who starts the workers: "uni" one in-process worker, "mp" one process per
+    # rank, "ray" Ray actors. None until EngineArgs resolves it as vLLM does:
+    # "uni" for one rank, "mp" for more.
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
+@dataclass
 class DeviceConfig:
     device: str = "cpu"  # "cpu" or "cuda"
 
@@ -170,5 +190,6 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer_config: KVTransferConfig | None = None
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)

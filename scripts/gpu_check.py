@@ -35,6 +35,7 @@ from nanoengine import LLM, SamplingParams
 from nanoengine.attention.backends.abstract import AttentionMetadata
 from nanoengine.attention.backends.torch_ref import TorchRefAttentionImpl
 from nanoengine.attention.backends.triton_attn import TritonAttentionImpl
+from nanoengine.executor.uniproc_executor import UniProcExecutor
 from nanoengine.renderers.hf import TokensPrompt
 from nanoengine.utils.method_taps import tap
 from nanoengine.worker.input_batch import StepInputs
@@ -97,7 +98,9 @@ def engine(path: str, eager: bool, max_num_seqs: int) -> LLM:
 def decode_latency(llm: LLM) -> tuple[float, float]:
     """(median engine step ms, median model-forward ms) of a batch-1 decode."""
     engine_ = llm.llm_engine
-    runner = engine_.engine_core.get_engine_core().model_executor.driver_worker.model_runner
+    executor = engine_.engine_core.get_engine_core().model_executor
+    assert isinstance(executor, UniProcExecutor), "the check reads the worker in this process (one rank)"
+    runner = executor.driver_worker.model_runner
     assert runner is not None  # the worker built it in init_device
     seen: list[StepInputs] = []  # every forward pass's inputs, read through a tap
     tap(runner, "_forward", before=lambda inputs, *_: seen.append(inputs))

@@ -38,6 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from nanoengine import LLM, SamplingParams
+from nanoengine.executor.uniproc_executor import UniProcExecutor
 from nanoengine.model_executor.custom_op import CustomOp
 from nanoengine.model_executor.layers.cpu_linear import PackableLinear
 from nanoengine.model_executor.layers.layernorm import RMSNorm
@@ -80,7 +81,9 @@ class PartTimer:
 
 
 def model_runner(llm: LLM) -> ModelRunner:
-    runner = llm.llm_engine.engine_core.get_engine_core().model_executor.driver_worker.model_runner
+    executor = llm.llm_engine.engine_core.get_engine_core().model_executor
+    assert isinstance(executor, UniProcExecutor), "the profile reads the worker in this process (one rank)"
+    runner = executor.driver_worker.model_runner
     assert runner is not None, "the worker has no model runner yet"
     return runner
 

@@ -623,6 +623,7 @@ def test_worker_calls_run_on_the_forward_thread(tiny_llama: str) -> None:
 
     llm = LLM(tiny_llama, max_model_len=64, kv_cache_memory_bytes=1 << 20)
     executor = llm.llm_engine.engine_core.get_engine_core().model_executor
-    thread = executor.collective_rpc(threading.current_thread)
+    # A function runs as function(worker, *args); the answer is one per rank (here one).
+    (thread,) = executor.collective_rpc(lambda worker: threading.current_thread())
     assert thread is not threading.main_thread() and thread.name.startswith("nanoengine-forward")
-    assert executor.collective_rpc(lambda a, b: a + b, 2, 3) == 5
+    assert executor.collective_rpc(lambda worker, a, b: a + b, args=(2, 3), unique_reply_rank=0) == 5

@@ -23,16 +23,22 @@ from nanoengine.config import (
     KVTransferConfig,
     ModelConfig,
     ObservabilityConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
+from nanoengine.distributed.utils import check_tensor_parallel_size
+from nanoengine.executor.abstract import EXECUTOR_CLASSES, Executor
 from nanoengine.model_executor.layers.cpu_linear import LINEAR_BACKENDS
 from nanoengine.model_executor.model_loader.loader import LOAD_FORMATS
 from nanoengine.model_executor.models.registry import get_model_class
 from nanoengine.platforms.cpu import default_cpu_dtype
 from nanoengine.transformers_utils.config import get_hf_config, resolve_model_path, trained_context_len
+from nanoengine.utils.system_utils import usable_cpu_count
 
 logger = logging.getLogger(__name__)
 
+# The distributed_executor_backend values (executor/abstract.py maps them to classes).
+_EXECUTOR_BACKENDS = tuple(EXECUTOR_CLASSES)
 # The dtypes a user may name; "auto" picks bf16 on CUDA and on a CPU with bf16
 # dot products, fp32 on other CPUs (nanoengine/platforms/cpu.py).
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -75,8 +81,12 @@ class EngineArgs:
     load_format: Literal["auto", "dummy"] = "auto"
     # Chapter 6: load no tokenizer; prompts are token ids, outputs have empty text.
     skip_tokenizer_init: bool = False
-    # Accepted so vLLM scripts run unchanged; nanoengine runs one process on one device.
+    # Chapter 6: split every layer over N ranks (devices, or shares of a CPU's
+    # cores), one worker each. The backend starts the workers: "uni" (one rank,
+    # in this process), "mp" (a process per rank) or "ray"; None picks as vLLM
+    # does, "uni" for one rank and "mp" for more.
     tensor_parallel_size: int = 1
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     trust_remote_code: bool = False
     tokenizer: str | None = None
     # A KV connector (prefill/decode disaggregation), chapter 5.
@@ -154,7 +164,8 @@ class EngineArgs:
         enable_prefix_caching = resolve_prefix_caching(self.enable_prefix_caching, model_config)
         if self.kv_transfer_config is not None and not enable_prefix_caching:
             raise ValueError("kv_transfer_config needs prefix caching, which a hybrid model runs without.")
-        return EngineConfig(
+        parallel_config = self._parallel_config(model_config, device)
+        engine_config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=_resolve_block_size(self.block_size, device),
@@ -166,12 +177,42 @@ class EngineArgs:
             ),
             scheduler_config=self._scheduler_config(max_model_len),
             device_config=DeviceConfig(device=device),
+            parallel_config=parallel_config,
             kv_transfer_config=self.kv_transfer_config,
             observability_config=ObservabilityConfig(
                 trace=self.trace or _env_flag("NANOENGINE_TRACE"),
                 check_invariants=self.check_invariants or _env_flag("NANOENGINE_CHECK_INVARIANTS"),
             ),
         )
+        # An executor that cannot be imported ("ray" without Ray) fails here,
+        # before any process starts.
+        Executor.get_class(engine_config)
+        return engine_config
+
+    def _parallel_config(self, model_config: ModelConfig, device: str) -> ParallelConfig:
+        """The ranks and who starts them, checked against the model and the machine.
+
+        Everything a rank count can get wrong is refused here, while the engine
+        is still one process: a worker that fails to split its model would
+        fail in every process at once, far from the argument that caused it.
+        """
+        size = self.tensor_parallel_size
+        backend = self.distributed_executor_backend or ("uni" if size == 1 else "mp")
+        if backend == "uni" and size > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one worker in this process, but "
+                f"tensor_parallel_size={size} needs {size}; use 'mp' or 'ray'."
+            )
+        devices, what = _parallel_device_count(device)
+        if size > devices:
+            raise ValueError(
+                f"tensor_parallel_size={size} needs {size} {what}, but this machine has {devices}."
+            )
+        check_tensor_parallel_size(model_config.hf_text_config, size)
+        if size > 1 and self.kv_transfer_config is not None:
+            # Each rank holds a slice of every block; the connector stores whole blocks.
+            raise ValueError("kv_transfer_config works with tensor_parallel_size=1 only.")
+        return ParallelConfig(tensor_parallel_size=size, distributed_executor_backend=backend)
 
     def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         # Without chunked prefill a whole prompt must fit into one step's budget,
@@ -233,10 +274,27 @@ class EngineArgs:
             # A StepTrace records one step from schedule to update; with async
             # scheduling the next step is scheduled before this one's update.
             raise ValueError("trace=True (or NANOENGINE_TRACE=1) does not work with async_scheduling=True.")
-        if self.tensor_parallel_size != 1:
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}.")
+        if self.distributed_executor_backend not in (None, *_EXECUTOR_BACKENDS):
             raise ValueError(
-                f"tensor_parallel_size must be 1 (nanoengine runs on one device), got {self.tensor_parallel_size}."
+                f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS} (or None: 'uni' for one "
+                f"rank, 'mp' for more), got {self.distributed_executor_backend!r}."
             )
+
+
+def _parallel_device_count(device: str) -> tuple[int, str]:
+    """How many ranks this machine can give one each: (count, what they are, in words).
+
+    A CPU rank needs at least one core of its own (the ranks share the cores,
+    ``torch.set_num_threads`` splits them); a CUDA rank needs a GPU of its own.
+    """
+    if device == "cuda":
+        import torch  # deferred, as in _resolve_device
+
+        return torch.cuda.device_count(), "visible GPUs"
+    return usable_cpu_count(), "CPU cores (one per rank)"
 
 
 # Fields the command line does not set: the model is positional, a KV connector

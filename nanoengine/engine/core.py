@@ -30,7 +30,7 @@ from nanoengine.core.sched.async_scheduler import AsyncScheduler
 from nanoengine.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.engine import EngineCoreOutputs, EngineCoreRequest
-from nanoengine.executor.uniproc_executor import UniProcExecutor
+from nanoengine.executor.abstract import Executor
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from nanoengine.request import Request, RequestStatus
 from nanoengine.structured_output import StructuredOutputManager
@@ -72,8 +72,11 @@ class EngineCore(TreeNode):
         # Chapter 6's breakdown (weights, activations, KV cache, concurrency).
         self.memory_report: MemoryReport | None = None
         start = time.perf_counter()
-        # init_device and load_model happen inside the executor's constructor.
-        self.model_executor = UniProcExecutor(engine_config)
+        # init_device and load_model happen inside the executor's constructor:
+        # in this process for one rank, in one worker process per rank for
+        # tensor parallelism (chapter 6); the engine calls both the same way.
+        executor_class = Executor.get_class(engine_config)
+        self.model_executor = executor_class(engine_config)
         # Seconds per construction step, shown by chapters 1, 5 and 6. The KV
         # cache steps are timed from outside, so _initialize_kv_caches stays plain.
         self.startup_timings = {"init_device + load_model": time.perf_counter() - start}

@@ -36,15 +36,12 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import pickle
 import queue
 import signal
-import struct
 import sys
 import threading
 import time
 from collections import deque
-from types import FrameType
 from typing import Any
 
 import zmq
@@ -61,6 +58,8 @@ from nanoengine.engine.core import EngineCore
 from nanoengine.request import Request
 from nanoengine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from nanoengine.utils.method_taps import tap
+from nanoengine.utils.system_utils import encode_startup as encode_startup_message
+from nanoengine.utils.system_utils import exit_when_parent_dies, raise_system_exit, read_startup
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +116,9 @@ class EngineCoreProc(EngineCore):
         busy loop through ``SystemExit``; any other exception is reported to
         the front end as ``ENGINE_CORE_DEAD`` before the process exits.
         """
-        signal.signal(signal.SIGTERM, _raise_system_exit)
+        signal.signal(signal.SIGTERM, raise_system_exit)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the front end
-        _exit_when_parent_dies(parent_alive_fd)
+        exit_when_parent_dies(parent_alive_fd, "EngineCoreParentWatch")
         engine_core: EngineCoreProc | None = None
         try:
             engine_core = EngineCoreProc(engine_config, input_address, output_address)
@@ -250,28 +249,6 @@ class EngineCoreProc(EngineCore):
         }
 
 
-def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
-    # Once is enough: a second SIGTERM (the parent-death watch, say) must not
-    # interrupt the exit that the first one started.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise SystemExit(0)
-
-
-def _exit_when_parent_dies(parent_alive_fd: int) -> None:
-    """Watch our stdin, whose writing end only the parent holds: end-of-file means it is gone.
-
-    Raw ``os.read`` on the descriptor, not ``sys.stdin``: a thread blocked inside
-    Python's buffered reader would hold its lock while the interpreter shuts down.
-    """
-
-    def watch() -> None:
-        while os.read(parent_alive_fd, 4096):
-            pass
-        os.kill(os.getpid(), signal.SIGTERM)  # the main thread's handler raises SystemExit
-
-    threading.Thread(target=watch, name="EngineCoreParentWatch", daemon=True).start()
-
-
 def main() -> None:
     """The core process: ``python -c "from nanoengine.engine.core_proc import main; main()"``.
 
@@ -281,23 +258,11 @@ def main() -> None:
     ``multiprocessing``) never re-imports the user's own script.
     """
     stdin = sys.stdin.fileno()
-    (size,) = struct.unpack("<Q", _read_exactly(stdin, 8))
-    engine_config, input_address, output_address = pickle.loads(_read_exactly(stdin, size))
+    engine_config, input_address, output_address = read_startup(stdin)
     EngineCoreProc.run_engine_core(engine_config, input_address, output_address, stdin)
 
 
 def encode_startup(engine_config: EngineConfig, input_address: str, output_address: str) -> bytes:
     """What the front end writes to the core's stdin: a length, then the pickled arguments."""
-    payload = pickle.dumps((engine_config, input_address, output_address))
-    return struct.pack("<Q", len(payload)) + payload
+    return encode_startup_message((engine_config, input_address, output_address))
 
-
-def _read_exactly(fd: int, size: int) -> bytes:
-    """A pipe may deliver a message in pieces: read until ``size`` bytes are in."""
-    data = bytearray()
-    while len(data) < size:
-        chunk = os.read(fd, size - len(data))
-        if not chunk:
-            raise EOFError(f"stdin closed after {len(data)} of {size} start-up bytes")
-        data += chunk
-    return bytes(data)

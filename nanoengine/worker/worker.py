@@ -5,8 +5,11 @@
 ``initialize_from_config``. The third one is the pivot of chapter 6: a profiling
 forward pass shows what the model needs, and what is left of the budget becomes
 the KV cache -- which fixes how many requests can run at once (chapter 2).
-vLLM 0.32 counterpart: ``vllm/v1/worker/gpu_worker.py`` (``Worker``) and, for the
-CPU budget, ``vllm/v1/worker/cpu_worker.py`` (``CPUWorker.determine_available_memory``).
+Under tensor parallelism (chapter 6) each rank has a Worker of its own, in its
+own process; ``init_device`` joins the ranks into one group first.
+vLLM 0.32 counterpart: ``vllm/v1/worker/gpu_worker.py`` (``Worker``,
+``init_worker_distributed_environment``) and, for the CPU budget,
+``vllm/v1/worker/cpu_worker.py`` (``CPUWorker.determine_available_memory``).
 """
 
 from __future__ import annotations
@@ -18,8 +21,16 @@ import torch
 
 from nanoengine.config import EngineConfig
 from nanoengine.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from nanoengine.distributed.parallel_state import (
+    default_backend,
+    destroy_distributed_environment,
+    destroy_model_parallel,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from nanoengine.utils.component_tree import TreeNode
+from nanoengine.utils.system_utils import usable_cpu_count
 from nanoengine.worker.memory_probe import PeakMemoryProbe
 from nanoengine.worker.model_runner import ModelRunner
 
@@ -59,23 +70,73 @@ class MemoryProfile:
 
 
 class Worker(TreeNode):
-    """One device, one model runner."""
+    """One device, one model runner; under tensor parallelism, one rank."""
 
     tree_children = ("model_runner",)
 
-    def __init__(self, engine_config: EngineConfig) -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        rank: int = 0,
+        local_rank: int = 0,
+        distributed_init_method: str | None = None,
+    ) -> None:
         self.engine_config = engine_config
-        self.device = torch.device(engine_config.device_config.device)
+        # rank: this worker's place in the tensor-parallel group; local_rank:
+        # which of this machine's GPUs it drives (the same here: one machine).
+        self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.world_size = engine_config.parallel_config.world_size
+        device = engine_config.device_config.device
+        # One rank keeps "cuda" (the current device), as before; ranks of a
+        # group each drive their own GPU.
+        self.device = torch.device(f"cuda:{local_rank}" if device == "cuda" and self.world_size > 1 else device)
         self.model_runner: ModelRunner | None = None
         self.memory_profile: MemoryProfile | None = None
 
+    def tree_label_extra(self) -> str | None:
+        return f"rank={self.rank}/{self.world_size}" if self.world_size > 1 else None
+
     def init_device(self) -> None:
-        """Pick the device and seed every random stream the engine owns."""
+        """Pick the device, join the tensor-parallel group, seed every random stream.
+
+        The group comes before ``load_model``: the parallel layers read their
+        rank and the group's size when they are built, to allocate only their
+        slice of each weight (chapter 6).
+        """
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()
+        if self.world_size > 1:
+            self._init_distributed()
+        # The same seed on every rank: each samples the same tokens from the
+        # same (gathered) logits, so only rank 0's output needs to travel.
         torch.manual_seed(self.engine_config.model_config.seed)
         self.model_runner = ModelRunner(self.engine_config, self.device)
+
+    def _init_distributed(self) -> None:
+        """Join the group (gloo on a CPU, NCCL on CUDA) and share the CPU among the ranks."""
+        if self.distributed_init_method is None:
+            raise ValueError(f"Rank {self.rank} of {self.world_size} needs a distributed_init_method.")
+        if self.device.type == "cpu":
+            # N ranks on one CPU: each gets its share of the cores, or their
+            # OpenMP pools would fight over the same cores (chapter 7).
+            torch.set_num_threads(max(1, usable_cpu_count() // self.world_size))
+        init_distributed_environment(
+            world_size=self.world_size,
+            rank=self.rank,
+            distributed_init_method=self.distributed_init_method,
+            local_rank=self.local_rank,
+            backend=default_backend(self.device),
+        )
+        initialize_model_parallel(self.engine_config.parallel_config.tensor_parallel_size)
+
+    def shutdown(self) -> None:
+        """Leave the tensor-parallel group (a one-rank worker never joined one)."""
+        if self.world_size > 1:
+            destroy_model_parallel()
+            destroy_distributed_environment()
 
     def load_model(self) -> None:
         self._runner().load_model()
@@ -121,15 +182,17 @@ class Worker(TreeNode):
         return kv_bytes
 
     def _cpu_budget(self) -> int:
-        """A fraction of the RAM still available after loading, capped.
+        """A fraction of the RAM still available after loading, capped; a rank's share of it.
 
         The weights and the profiling pass already live in this process, so
         "available" is what is left for everything else on the machine too; the
-        fraction leaves most of it alone.
+        fraction leaves most of it alone. Tensor-parallel ranks on one CPU share
+        one RAM: each takes 1/world_size of the budget (and stores only its
+        heads' K/V, so the engine still gets the block count of one process).
         """
         cache_config = self.engine_config.cache_config
         budget = int(available_ram_bytes() * cache_config.cpu_kv_cache_fraction)
-        return min(budget, cache_config.cpu_kv_cache_max_bytes)
+        return min(budget, cache_config.cpu_kv_cache_max_bytes) // self.world_size
 
     def _non_torch_bytes(self) -> int:
         """Device memory in use outside this process's torch allocator (the CUDA
