@@ -1,0 +1,32 @@
+"""Process checks shared by the tests that start worker processes: is this one gone, which are ours."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+
+
+def descendants() -> set[int]:
+    """Live (non-zombie) descendants of this test process."""
+    alive = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                alive.add(child.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def pid_gone(pid: int, seconds: float) -> bool:
+    """True once ``pid`` has exited (a zombie counts as gone), polling for up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
