@@ -66,7 +66,9 @@ class CudagraphDispatcher:
         """Graph only for pure decode batches that fit a captured shape."""
         if not self.enabled:
             return CudagraphDecision(
-                False, num_tokens, "CUDA graphs are off (enforce_eager, no CUDA, or a hybrid model)"
+                False,
+                num_tokens,
+                "CUDA graphs are off (enforce_eager, no CUDA, a hybrid model or tensor parallelism)",
             )
         if num_tokens != num_reqs:
             return CudagraphDecision(False, num_tokens, "the step has a prefill: shapes vary, run eager")

@@ -130,7 +130,9 @@ class ModelRunner(TreeNode):
         # so every step records its decision (chapter 7 prints them on a CPU).
         # Not for a hybrid model: its Gated DeltaNet layers pick state slots and
         # fresh-or-continuing states from metadata the graph buffers do not hold
-        # (vLLM captures them with Mamba metadata of its own).
+        # (vLLM captures them with Mamba metadata of its own). Nor with several
+        # tensor-parallel ranks: capturing their all-reduces is not built here
+        # (vLLM captures NCCL's, and its own custom all-reduce).
         sched = engine_config.scheduler_config
         self.max_blocks_per_req = cdiv(sched.max_model_len, self.block_size)
         self.dispatcher = CudagraphDispatcher(
@@ -139,6 +141,7 @@ class ModelRunner(TreeNode):
             enabled=device.type == "cuda"
             and not self.model_config.enforce_eager
             and not self.model_config.is_hybrid
+            and engine_config.parallel_config.world_size == 1
             and self.attention_backend == "triton",
         )
         self.cudagraph_runner: CUDAGraphRunner | None = None
