@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from exercise_mutants import Mutant, ch1, ch3, ch4, ch4_hybrid, ch5, ch6, ch7, ch8
+from exercise_mutants import Mutant, ch1, ch3, ch4, ch4_hybrid, ch5, ch6, ch6_tensor_parallel, ch7, ch8
 
 from chapters.exercise_stubs import check as check_stubs
 from chapters.exercise_stubs import is_untouched, render_stub, reset_stub, write
@@ -27,9 +27,9 @@ from chapters.grade_checks import CHECKS
 STUDENT = os.environ.get("NANOENGINE_STUDENT") == "1"
 EXERCISES = find_exercises()
 # The exercises the course promises; more may be added, none may disappear.
-REQUIRED = {"1.1", "3.1", "3.2", "4.1", "4.2", "4.3", "4.4", "4.5", "5.1", "5.2", "6.1", "7.1", "8.1", "8.2"}
+REQUIRED = {"1.1", "3.1", "3.2", "4.1", "4.2", "4.3", "4.4", "4.5", "5.1", "5.2", "6.1", "6.2", "7.1", "8.1", "8.2"}
 MUTANTS: list[Mutant] = [*ch1.MUTANTS, *ch3.MUTANTS, *ch4.MUTANTS, *ch4_hybrid.MUTANTS, *ch5.MUTANTS,
-                          *ch6.MUTANTS, *ch7.MUTANTS, *ch8.MUTANTS]
+                          *ch6.MUTANTS, *ch6_tensor_parallel.MUTANTS, *ch7.MUTANTS, *ch8.MUTANTS]
 # Every exercise gets at least this many planted mistakes for its grader to catch.
 MIN_MUTANTS = 3
 
@@ -158,6 +158,20 @@ def test_grader(exercise_id: str, tiny_llama: str) -> None:
     stub = grade(exercise_id, student_function(exercise), tiny_llama)
     vacuous = [r.name for r in stub if r.passed or "NotImplementedError" not in r.detail]
     assert not vacuous, f"these checks do not catch an unwritten {exercise.qualname}: {vacuous}"
+
+
+@pytest.mark.exercise_6_2
+def test_6_2_reference_ranks_give_hugging_faces_logits(tiny_llama: str) -> None:
+    """6.2's two-rank check compares each rank's logits with Hugging Face's: the
+    reference must match them, or a wrong answer that also missed would pass."""
+    if STUDENT:
+        pytest.skip("student mode grades the student's code; this checks the check")
+    from chapters.grade_checks.ch6_tensor_parallel import e2e_two_ranks_match_hf
+
+    name = next(check.name for check in CHECKS["6.2"] if check.run is e2e_two_ranks_match_hf)
+    result = _reference_result("6.2", name, tiny_llama)
+    matches = {label: value for label, value in result.items() if "of Hugging Face's" in label}
+    assert len(matches) == 4 and all(matches.values()), matches
 
 
 def test_grade_cli_reports_pass_and_fail(tiny_llama: str, capsys: pytest.CaptureFixture[str],

@@ -1,6 +1,6 @@
 """Every tensor-parallel layer, and whole models, on two real ranks against one-process torch.
 
-Two spawned processes join a gloo group (``tp_ranks.run_on_ranks``); each
+Two spawned processes join a gloo group (``chapters/grade_checks/tp_ranks.py``); each
 builds its slice of every layer, loads it from the *whole* checkpoint-shaped
 tensors through the layer's ``weight_loader``, and runs it. Here, in one
 process, plain torch (``F.linear``, ``F.embedding``) on the whole tensors says
@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from test_attention_ref import allocate_blocks, make_attn_metadata
 from tiny_models import tiny_config, write_random_model
-from tp_ranks import run_on_ranks
 from transformers import AutoConfig
 
+from chapters.grade_checks.tp_ranks import run_on_ranks
 from nanoengine.attention.layer import Attention, bind_kv_cache
 from nanoengine.distributed.parallel_state import get_tensor_model_parallel_rank
 from nanoengine.model_executor.layers import linear, vocab_parallel_embedding

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-from tp_ranks import run_on_ranks
 from transformers import LlamaConfig
 
 from chapters.grade_checks.tiny_model import tiny_config
+from chapters.grade_checks.tp_ranks import run_on_ranks
 from nanoengine.distributed import parallel_state
 from nanoengine.distributed.communication_op import (
     tensor_model_parallel_all_gather,

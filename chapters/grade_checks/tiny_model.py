@@ -3,9 +3,11 @@
 The grader's hybrid exercises (4.4, 4.5; chapter 4) run the engine end to end
 on ``tiny_hybrid_model_dir()``: a four-layer Qwen3.5 (three Gated DeltaNet
 layers, then one full-attention layer), so one attention group and three state
-groups share the block pool. ``tests/tiny_models.py`` builds every test model
-with ``tiny_config`` and ``write_random_model`` and adds a tokenizer; the
-grader needs none, since its prompts are token ids (``skip_tokenizer_init``).
+groups share the block pool. Exercise 6.2 (chapter 6) splits
+``tiny_llama_model_dir(num_kv_heads)`` over two tensor-parallel ranks.
+``tests/tiny_models.py`` builds every test model with ``tiny_config`` and
+``write_random_model`` and adds a tokenizer; the grader needs none, since its
+prompts are token ids (``skip_tokenizer_init``).
 
 vLLM 0.32 counterpart: none (teaching material).
 """
@@ -16,6 +18,8 @@ import atexit
 import functools
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +88,18 @@ def tiny_config(arch: str, vocab_size: int, tie: bool = True) -> PretrainedConfi
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
+@contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """Hugging Face's progress bars off inside: a one-file tiny model needs none in the grader's output."""
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+
+
 def write_random_model(path: Path, config: PretrainedConfig, seed: int = 0) -> Path:
     """Write config.json, seeded random weights and generation_config.json into ``path``."""
     torch.manual_seed(seed)
@@ -100,23 +116,32 @@ def write_random_model(path: Path, config: PretrainedConfig, seed: int = 0) -> P
                 # dropped "1 +" would show in the parity tests.
                 param.normal_(0.0, 0.3)
     path.mkdir(parents=True, exist_ok=True)
-    # A one-file model needs no progress bar in the grader's output.
-    bar_was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
+    with no_progress_bars():
         model.save_pretrained(path, safe_serialization=True)
-    finally:
-        if bar_was_on:
-            hf_logging.enable_progress_bar()
     GenerationConfig(eos_token_id=config.eos_token_id, bos_token_id=0).save_pretrained(path)
     return path
+
+
+def _written_once(name: str, config: PretrainedConfig) -> str:
+    """A random model of ``config`` in a temporary folder removed when the process exits."""
+    folder = tempfile.mkdtemp(prefix=f"nanoengine-tiny-{name}-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    write_random_model(Path(folder), config)
+    return folder
 
 
 @functools.cache
 def tiny_hybrid_model_dir() -> str:
     """The tiny Qwen3.5 ("qwen3_5": linear, linear, linear, full), written once per
     process into a temporary folder that is removed when the process exits."""
-    folder = tempfile.mkdtemp(prefix="nanoengine-tiny-qwen3_5-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    write_random_model(Path(folder), tiny_config("qwen3_5", TINY_VOCAB_SIZE))
-    return folder
+    return _written_once("qwen3_5", tiny_config("qwen3_5", TINY_VOCAB_SIZE))
+
+
+@functools.cache
+def tiny_llama_model_dir(num_kv_heads: int) -> str:
+    """The tiny Llama (4 query heads of 16, two layers) with ``num_kv_heads`` KV
+    heads, written once per process like ``tiny_hybrid_model_dir``. Exercise
+    6.2 splits it over two ranks: 2 KV heads split (one a rank), 1 replicated."""
+    config = tiny_config("llama", TINY_VOCAB_SIZE)
+    config.num_key_value_heads = num_kv_heads
+    return _written_once(f"llama-{num_kv_heads}kv", config)

@@ -228,15 +228,45 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_size
         # As if every rank's slice were distinct (vLLM's convention): with
         # replicated KV heads the k/v "totals" exceed the checkpoint's, and
-        # checkpoint_rows says which checkpoint rows each rank really copies.
+        # weight_loader says which checkpoint rows each rank really copies.
         sizes = [self.q_size * tp_size, self.kv_size * tp_size, self.kv_size * tp_size]
         super().__init__(hidden_size, sizes, bias, shard_ids=("q", "k", "v"))
 
-    def checkpoint_rows(self, shard_id: ShardId) -> tuple[int, int]:
+    # BEGIN EXERCISE 6.2
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None
+    ) -> None:
+        """Copy this rank's heads of one whole checkpoint projection into the fused parameter.
+
+        ``shard_id`` "q", "k" or "v" says which projection ``loaded_weight`` is:
+        the checkpoint's whole ``q_proj``, ``k_proj`` or ``v_proj`` weight
+        [heads * head_size, hidden_size], or its bias [heads * head_size].
+        ``param`` is this rank's fused ``weight`` [q_size + 2 * kv_size,
+        hidden_size] or ``bias`` [q_size + 2 * kv_size], laid out [q | k | v].
+
+        Rank ``self.tp_rank`` of ``self.tp_size`` takes the ``num_heads`` query
+        heads from ``tp_rank * num_heads`` on, and the ``num_kv_heads`` KV heads
+        from ``tp_rank * total_num_kv_heads // tp_size`` on: an equal share of
+        them, or, with fewer KV heads than ranks, the one head its query heads
+        read (replicated on several ranks). A tensor whose shape is not the
+        whole projection's is refused with a ValueError naming both shapes,
+        before anything is copied; so is an unknown ``shard_id``.
+        """
         if shard_id == "q":
-            return super().checkpoint_rows(shard_id)
-        first_head = first_kv_head_of_rank(self.total_num_kv_heads, self.tp_size, self.tp_rank)
-        return first_head * self.head_size, self.total_num_kv_heads * self.head_size
+            first_head, total_heads = self.tp_rank * self.num_heads, self.total_num_heads
+            offset, rows = 0, self.q_size
+        elif shard_id in ("k", "v"):
+            first_head = first_kv_head_of_rank(self.total_num_kv_heads, self.tp_size, self.tp_rank)
+            total_heads = self.total_num_kv_heads
+            # [q | k | v]: k right after this rank's q rows, v right after its k rows.
+            offset, rows = self.q_size + (self.kv_size if shard_id == "v" else 0), self.kv_size
+        else:
+            raise ValueError(f"Unknown shard {shard_id!r}; this layer has {list(self.shard_ranges)}.")
+        # Heads are rows, dim 0 of both the weight [rows, hidden] and the bias [rows].
+        check_shape(loaded_weight, (total_heads * self.head_size, *param.shape[1:]), f"The shard {shard_id!r}")
+        mine = loaded_weight.narrow(0, first_head * self.head_size, rows)
+        copy_weight(param.data.narrow(0, offset, rows), mine, f"shard {shard_id!r}")
+    # END EXERCISE 6.2
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[num_tokens, q + 2 * kv] -> q [num_tokens, q_size], k and v [num_tokens, kv_size]."""

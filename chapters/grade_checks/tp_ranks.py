@@ -1,5 +1,12 @@
 """Run a function on N real tensor-parallel ranks and collect what each returns.
 
+Chapter 6 (tensor parallelism). Exercise 6.2's grader builds a tiny model's
+two ranks with this, each rank loading its slice through the student's
+``weight_loader`` (sent to it as a ``ShippedFunction``);
+``tests/test_parallel_layers.py`` and ``tests/test_parallel_state.py`` test
+every parallel layer and the collectives with it. vLLM 0.32 counterpart:
+none (a helper of the tests and the grader).
+
 Each rank is a spawned process that joins a gloo process group over
 tcp://127.0.0.1 (a free port), sets up the TP group, runs the function and
 sends its result back. Bounded: a rank that raises fails the call with its
@@ -13,12 +20,16 @@ have exited.
 
 from __future__ import annotations
 
+import importlib
+import marshal
 import multiprocessing as mp
 import queue
 import socket
 import time
 import traceback
+import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,7 +92,7 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeou
     """``fn(*args)`` on each of ``world_size`` ranks; returns the results in rank order.
 
     ``fn`` must be a module-level function (spawn sends it by name); ``args``
-    may hold tensors. AssertionError on a failed, dead or hung rank.
+    may hold tensors. RuntimeError, naming the rank, on a failed, dead or hung rank.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -101,16 +112,16 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeou
         deadline = time.monotonic() + timeout
         while len(collected) < world_size:
             if time.monotonic() > deadline:
-                raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(collected))} hung")
+                raise RuntimeError(f"ranks {sorted(set(range(world_size)) - set(collected))} hung")
             try:
                 rank, ok, payload = results.get(timeout=0.5)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in collected]
                 if dead:
-                    raise AssertionError(f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
+                    raise RuntimeError(f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
                 continue
             if not ok:
-                raise AssertionError(f"rank {rank} raised:\n{payload}")
+                raise RuntimeError(f"rank {rank} raised:\n{payload}")
             collected[rank] = payload
     finally:
         for proc in procs:
@@ -120,5 +131,37 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeou
                 proc.kill()
                 proc.join(timeout=5)
         results.close()
-    assert not any(proc.is_alive() for proc in procs), "a rank process outlived the call"
+    if any(proc.is_alive() for proc in procs):
+        raise RuntimeError("a rank process outlived the call")
     return [to_torch(collected[rank]) for rank in range(world_size)]
+
+
+@dataclass(frozen=True)
+class ShippedFunction:
+    """A function sent to a spawned rank by value: its compiled code, rebuilt there
+    against its own module's globals.
+
+    Spawn sends a function by name, and a rank imports its module afresh: the
+    grader's swap of a student's function into a class (done in the grading
+    process only) is not there. Exercise 6.2's ranks are sent the function
+    itself, to put in place before they build a model: a student's (defined
+    in ``chapters/exercises/ex6_2.py``, which the rank imports too) or a
+    planted mistake of the tests (compiled in the reference module's
+    namespace) alike.
+    """
+
+    module: str
+    code: bytes  # marshal of the code object: the rank runs this very interpreter
+    defaults: tuple[Any, ...] | None
+
+    @classmethod
+    def of(cls, function: Callable[..., Any]) -> ShippedFunction:
+        if function.__closure__:
+            raise ValueError(f"{function.__qualname__} reads variables of an enclosing function; "
+                             "write it at the top level of its module.")
+        return cls(function.__module__, marshal.dumps(function.__code__), function.__defaults__)
+
+    def rebuild(self) -> Callable[..., Any]:
+        code = marshal.loads(self.code)
+        namespace = vars(importlib.import_module(self.module))
+        return types.FunctionType(code, namespace, code.co_name, self.defaults)
