@@ -55,7 +55,11 @@ def _import_line(name: str, reference: types.ModuleType) -> str | None:
         raise ValueError(f"{reference.__name__} uses {name!r} in a signature but does not define it.")
     value = vars(reference)[name]
     if isinstance(value, types.ModuleType):
-        return f"import {value.__name__}" + ("" if value.__name__ == name else f" as {name}")
+        package, _, leaf = value.__name__.rpartition(".")
+        if value.__name__ == name:
+            return f"import {name}"
+        # ``from torch import nn``, as ruff prefers to ``import torch.nn as nn``.
+        return f"from {package} import {name}" if leaf == name else f"import {value.__name__} as {name}"
     home = getattr(value, "__module__", None)
     if home and getattr(value, "__qualname__", None) == name:
         return f"from {home} import {name}"

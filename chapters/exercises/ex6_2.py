@@ -10,7 +10,7 @@ region of ``nanoengine/model_executor/layers/linear.py``; keep the signature. Th
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from nanoengine.model_executor.layers.linear import QKVParallelLinear, ShardId
 
