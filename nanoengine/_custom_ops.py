@@ -33,8 +33,9 @@ logger = logging.getLogger(__name__)
 CSRC_DIR = Path(__file__).parent / "csrc" / "cpu"
 SOURCES = ("attention.cpp", "prefill_attention.cpp", "gemm.cpp", "gemm_bf16.cpp", "layers.cpp", "bindings.cpp")
 # -march=native: the build is for this CPU only (its AVX-512, if any); the
-# module name carries a fingerprint of the CPU, so a cache directory shared
-# with another machine never hands it a binary built for different hardware.
+# module name carries a fingerprint of the CPU (and of the checkout, see
+# _build_fingerprint), so a cache directory shared with another machine never
+# hands it a binary built for different hardware.
 # -ffast-math lets the compiler vectorise exp() and reorder sums (results stay
 # within fp32 rounding of the torch reference; the tests check).
 # -fopenmp makes at::parallel_for use torch's own OpenMP thread pool.
@@ -43,9 +44,15 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _STALE_LOCK_S = 600.0
 
 
-def _cpu_fingerprint() -> str:
-    """A short hash of what the compiler's -march=native sees."""
-    text = platform.machine() + platform.processor()
+def _build_fingerprint() -> str:
+    """A short hash of what the compiler's -march=native sees, and of where the sources are.
+
+    The sources' folder is part of the build command (``-I``), and torch keeps
+    one build per module name: two checkouts sharing one name would rebuild
+    after each other every time either is used (a CI clone beside a working
+    copy, say), so each checkout gets its own name.
+    """
+    text = str(CSRC_DIR) + platform.machine() + platform.processor()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         text += next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
@@ -53,7 +60,7 @@ def _cpu_fingerprint() -> str:
 
 
 def _module_name() -> str:
-    return f"nanoengine_cpu_ops_{_cpu_fingerprint()}"
+    return f"nanoengine_cpu_ops_{_build_fingerprint()}"
 
 
 def needs_compiling() -> bool:
@@ -122,7 +129,7 @@ def cpu_ops_available() -> bool:
     """True when the kernels load; otherwise warn once, naming the reason."""
     try:
         load_cpu_ops()
-    except Exception as error:  # a missing compiler, ninja, headers...: all mean "fall back"
+    except Exception as error:  # noqa: BLE001 -- a missing compiler, ninja, headers...: all mean "fall back"
         warnings.warn(
             f"nanoengine: the C++ CPU kernels could not be built ({type(error).__name__}: {error}); "
             "using the plain torch code instead.",
