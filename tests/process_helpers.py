@@ -1,8 +1,9 @@
-"""Process checks shared by the tests that start worker processes: is this one gone, which are ours."""
+"""Shared by the tests that start worker processes: is this one gone, which are ours, a checkpoint no rank can load."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import psutil
 
@@ -30,3 +31,14 @@ def pid_gone(pid: int, seconds: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def broken_checkpoint(model_dir: str, tmp_path: Path) -> Path:
+    """A copy of ``model_dir`` (links) whose weights file is garbage: every rank fails to load it."""
+    broken = tmp_path / "broken-weights"
+    broken.mkdir()
+    for item in Path(model_dir).iterdir():
+        (broken / item.name).symlink_to(item)
+    (broken / "model.safetensors").unlink()
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    return broken

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import pytest
 from hf_reference import EXACT_DTYPE, HFGreedy
-from process_helpers import descendants, pid_gone
+from process_helpers import broken_checkpoint, descendants, pid_gone
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.core import EngineCore
@@ -141,12 +141,7 @@ def test_heads_that_do_not_split_are_refused_before_any_process_starts(
 
 
 def test_a_worker_that_cannot_start_reports_its_error(tiny_llama: str, tmp_path: Path) -> None:
-    broken = tmp_path / "broken-weights"
-    broken.mkdir()
-    for item in Path(tiny_llama).iterdir():
-        (broken / item.name).symlink_to(item)
-    (broken / "model.safetensors").unlink()
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    broken = broken_checkpoint(tiny_llama, tmp_path)
     with _no_new_processes(), pytest.raises(RuntimeError, match=r"(?s)Worker rank 0 failed while starting:.*Traceback"):
         LLM(str(broken), distributed_executor_backend="mp", **SMALL)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 import pytest
-from process_helpers import pid_gone
+from process_helpers import broken_checkpoint, pid_gone
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'nanoengine[ray]'")
 
@@ -149,12 +149,7 @@ def test_a_raising_worker_method_raises_in_the_engine(ray_cluster: None, tiny_ll
 def test_a_rank_that_cannot_start_reports_its_error_and_leaves_nothing(
     ray_cluster: None, tiny_llama: str, tmp_path: Path
 ) -> None:
-    broken = tmp_path / "broken-weights"
-    broken.mkdir()
-    for item in Path(tiny_llama).iterdir():
-        (broken / item.name).symlink_to(item)
-    (broken / "model.safetensors").unlink()
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    broken = broken_checkpoint(tiny_llama, tmp_path)
     with pytest.raises(RuntimeError, match=r"Worker rank [01] raised in 'load_model'"):
         LLM(str(broken), tensor_parallel_size=2, distributed_executor_backend="ray", **SMALL)
     assert not _live_worker_actors()

@@ -67,8 +67,16 @@ class VocabShard:
         """One past the last *real* token id of the block (padding excluded)."""
         return min(self.start + self.rows_per_rank, self.vocab_size)
 
-    def load_rows(self, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-        """Copy this block of the checkpoint's [vocab_size, hidden] matrix; zero the padding."""
+    def load_rows(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: ShardId | None, owner: str
+    ) -> None:
+        """Copy this block of the checkpoint's [vocab_size, hidden] matrix; zero the padding.
+
+        ``owner`` (the layer's class name) names the layer when a checkpoint
+        tensor comes with a shard id: a vocabulary matrix has no shards.
+        """
+        if shard_id is not None:
+            raise ValueError(f"{owner} has no shards; got shard {shard_id!r}.")
         check_shape(loaded_weight, (self.vocab_size, *param.shape[1:]), "The vocabulary matrix")
         real = self.end - self.start
         copy_weight(param.data.narrow(0, 0, real), loaded_weight.narrow(0, self.start, real), "vocabulary rows")
@@ -93,9 +101,7 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None
     ) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} has no shards; got shard {shard_id!r}.")
-        self.shard.load_rows(param, loaded_weight)
+        self.shard.load_rows(param, loaded_weight, shard_id, type(self).__name__)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # [num_tokens] int64 -> [num_tokens, hidden]
@@ -146,9 +152,7 @@ class ParallelLMHead(PackableLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None
     ) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} has no shards; got shard {shard_id!r}.")
-        self.shard.load_rows(param, loaded_weight)
+        self.shard.load_rows(param, loaded_weight, shard_id, type(self).__name__)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # [num_rows, hidden] -> [num_rows, vocab]. The matmul runs in the model dtype;
