@@ -26,9 +26,11 @@ from process_helpers import broken_checkpoint, pid_gone
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'nanoengine[ray]'")
 
 from nanoengine import LLM, SamplingParams
+from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.executor import ray_utils
 from nanoengine.executor.ray_executor import RayDistributedExecutor
 from nanoengine.renderers.hf import TokensPrompt
+from nanoengine.utils.system_utils import usable_cpu_count
 
 SMALL = {"max_model_len": 64, "kv_cache_memory_bytes": 1 << 22}
 # Mixed lengths: one batch holds prompts of 12 to 33 tokens.
@@ -167,6 +169,15 @@ def test_a_cluster_too_small_is_a_clear_error(ray_cluster: None, monkeypatch: py
             ray_utils.reserve_rank_slots(1, "cpu")
     finally:
         ray.util.remove_placement_group(holder)
+
+
+@pytest.mark.skipif(usable_cpu_count() >= 4, reason="needs a machine with fewer than 4 cores to ask for more ranks")
+def test_ray_ranks_are_not_limited_by_this_machines_cores(tiny_llama: str) -> None:
+    """Ray's ranks may run on other machines: only its placement group counts devices."""
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 needs 4 CPU cores"):
+        EngineArgs(model=tiny_llama, tensor_parallel_size=4).create_engine_config()
+    config = EngineArgs(model=tiny_llama, tensor_parallel_size=4, distributed_executor_backend="ray")
+    assert config.create_engine_config().parallel_config.tensor_parallel_size == 4
 
 
 def test_without_ray_the_backend_is_a_clear_value_error(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -204,7 +204,9 @@ class EngineArgs:
                 f"tensor_parallel_size={size} needs {size}; use 'mp' or 'ray'."
             )
         devices, what = _parallel_device_count(device)
-        if size > devices:
+        # Ray ranks may live on other machines: its placement group counts the
+        # whole cluster's devices when the executor starts (as vLLM leaves it to Ray).
+        if backend != "ray" and size > devices:
             raise ValueError(
                 f"tensor_parallel_size={size} needs {size} {what}, but this machine has {devices}."
             )
