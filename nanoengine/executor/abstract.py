@@ -83,11 +83,18 @@ class Executor(TreeNode, ABC):
     def __init__(self, engine_config: EngineConfig) -> None:
         self.engine_config = engine_config
         self.parallel_config = engine_config.parallel_config
+        # The first failure of a rank (death, exception); once set, every call
+        # is refused, since the ranks may no longer agree on where they are.
+        self._failure: BaseException | None = None
         # Starts the worker(s), then init_device and load_model on each.
         self._init_executor()
 
     @abstractmethod
     def _init_executor(self) -> None: ...
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"The executor has stopped: {self._failure}") from self._failure
 
     @abstractmethod
     def collective_rpc(

@@ -151,7 +151,6 @@ class MultiprocExecutor(Executor):
         for rank in range(self.parallel_config.world_size):
             self.workers.append(WorkerProcHandle.start(self.engine_config, rank, init_method))
             processes.append(self.workers[-1].process)
-        self._failure: BaseException | None = None
         self._closing = False
         # _send_lock keeps every rank's calls in one order; _pending_lock guards
         # the answer queues, which the reply thread shares. A send never holds
@@ -229,10 +228,6 @@ class MultiprocExecutor(Executor):
                     # thread fail this call, with the rank and exit code.
                     break
         return call.future if non_block else call.future.result(timeout)
-
-    def _raise_if_failed(self) -> None:
-        if self._failure is not None:
-            raise RuntimeError(f"The executor has stopped: {self._failure}") from self._failure
 
     # ---- answers in (the reply thread) ---------------------------------------------------
 

@@ -80,7 +80,6 @@ class RayDistributedExecutor(Executor):
         self._actors: list[Any] = []  # every actor created, numbered or not: shutdown kills them all
         self.placement_group: Any = None
         self._started_ray = False
-        self._failure: BaseException | None = None
         self._is_shut_down = False
         # Waits for non-blocking calls while the engine thread goes on (it
         # builds the grammar bitmask meanwhile); one thread keeps them in order.
@@ -183,10 +182,6 @@ class RayDistributedExecutor(Executor):
             self._kill_actors()
             raise
         return results if unique_reply_rank is None else results[unique_reply_rank]
-
-    def _raise_if_failed(self) -> None:
-        if self._failure is not None:
-            raise RuntimeError(f"The executor has stopped: {self._failure}") from self._failure
 
     def _kill_actors(self) -> None:
         # Forceful on purpose: a rank may sit in a collective whose peer died.
