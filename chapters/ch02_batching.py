@@ -283,11 +283,13 @@ def main(argv: list[str] | None = None) -> Ch02Result:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8, help="decode steps measured per batch size")
     parser.add_argument("--plot", default=None, help="write the latency/throughput plot here (PNG)")
+    parser.add_argument("--roofline-size", type=int, default=2048,
+                        help="side of the square matmuls that measure the roofline (smaller: faster, less exact)")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
 
     console.rule("1. The machine's limits")
-    rooflines = {dtype: measure_gemm_roofline(dtype=dtype) for dtype in BYTES_PER_WEIGHT}
+    rooflines = {dtype: measure_gemm_roofline(args.roofline_size, dtype=dtype) for dtype in BYTES_PER_WEIGHT}
     bandwidth = measure_memory_bandwidth()
     for dtype, measured in rooflines.items():
         console.print(f"{dtype} GEMM roofline {measured.gflops:.1f} GFLOP/s ({describe_matmul_paths(measured)})")

@@ -21,6 +21,11 @@ once (chapter 2). This walkthrough shows:
 5. the error a budget too small for one ``max_model_len`` request gets.
 
     python -m chapters.ch06_construction [--model DIR] [--max-model-len N] [--dtype D]
+
+With ``--tensor-parallel-size N`` (N > 1) it runs chapter 6's
+tensor-parallelism part instead: the executor, the N worker processes, each
+rank's weight slices and the collectives of every step
+(``chapters/ch06_tensor_parallel.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from dataclasses import dataclass, replace
 import torch
 from rich.table import Table
 
-from chapters._common import base_parser, console, construction_table, timed
+from chapters._common import DEFAULT_MODEL, base_parser, console, construction_table, timed
+from chapters.ch06_tensor_parallel import TensorParallelResult
+from chapters.ch06_tensor_parallel import run as run_tensor_parallel
 from nanoengine import LLM
 from nanoengine.core.kv_cache_sizing import get_kv_cache_config, max_concurrency, num_blocks_from_budget
 from nanoengine.engine.arg_utils import resolve_dtype
@@ -195,17 +202,24 @@ def gpu_what_if_table(report: MemoryReport, max_model_len: int) -> Table:
     return table
 
 
-def main(argv: list[str] | None = None) -> Ch06Result:
+def main(argv: list[str] | None = None) -> Ch06Result | TensorParallelResult:
     parser = base_parser(__doc__ or "")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--dtype", default="auto", choices=("auto", *COMPARED_DTYPES))
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="N > 1: the tensor-parallelism walkthrough on N worker processes")
+    parser.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
+                        help="who starts the N workers (default: vLLM's rule, 'mp' on one machine)")
     args = parser.parse_args(argv)
     engine_kwargs = {
         "max_model_len": args.max_model_len,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "dtype": args.dtype,
     }
+    if args.tensor_parallel_size > 1:
+        return run_tensor_parallel(args.model, args.tensor_parallel_size, args.distributed_executor_backend,
+                                   args.max_tokens, engine_kwargs, DEFAULT_MODEL)
 
     llm, seconds = timed(lambda: LLM(args.model, **engine_kwargs))
     console.rule("1. LLM(...) construction, step by step")

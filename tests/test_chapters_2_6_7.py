@@ -18,7 +18,10 @@ def test_ch02_measures_every_batch_size_and_the_crossovers(
 ) -> None:
     plot = tmp_path / "ch02.png"
     result = ch02_batching.main(
-        ["--model", tiny_llama, "--batch-sizes", "1,4", "--steps", "3", "--prompt-len", "8", "--plot", str(plot)]
+        # A 512-wide roofline: 1/64 of the default's work, which on a CPU without bf16
+        # dot products costs minutes in bf16.
+        ["--model", tiny_llama, "--batch-sizes", "1,4", "--steps", "3", "--prompt-len", "8", "--plot", str(plot),
+         "--roofline-size", "512"]
     )
     assert [p.batch_size for p in result.points] == [1, 4]
     assert all(p.step_ms > 0 and p.tok_per_s > 0 for p in result.points)
@@ -75,6 +78,7 @@ def test_ch02_docs_quote_what_the_table_prints_in_bf16() -> None:
 
 def test_ch06_breakdown_dtypes_knobs_and_too_small_error(tiny_llama: str, capsys: pytest.CaptureFixture[str]) -> None:
     result = ch06_construction.main(["--model", tiny_llama, "--max-model-len", "128", "--max-num-batched-tokens", "128"])
+    assert isinstance(result, ch06_construction.Ch06Result)
     assert list(result.timings)[:3] == ["init_device + load_model", "determine_available_memory", "initialize_from_config"]
     assert result.num_blocks > 1 and result.max_concurrency > 1
     _check_bf16_halves_the_bytes(result, tiny_llama)

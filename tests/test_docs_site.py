@@ -63,9 +63,11 @@ SOURCE_MAP_LAYOUT_JS = (
 )
 # A laptop screen: the source map must read whole at this size.
 LAPTOP_VIEWPORT = (1400, 900)
-# Source pages share one template and carry only highlighted code; the link
-# check covers all of them, the browser opens these pages plus every other page.
-BROWSER_SKIPS_PREFIX = "source/"
+# Generated pages share one template each: source pages carry only highlighted
+# code, API reference pages only mkdocstrings' rendering of a module. The link
+# check covers all of them; the browser opens one of each kind plus every
+# hand-written page (opening all 130-odd reference pages cost CI ~90 s).
+BROWSER_SKIPS_PREFIX = ("source/", "reference/")
 
 
 # ------------------------------------------------------------------ build + serve
@@ -271,8 +273,10 @@ def test_every_internal_link_resolves(site: Path, base_url: str) -> None:
 def test_every_page_loads_without_console_errors(site: Path, base_url: str, browser: Browser) -> None:
     failures = {}
     pages = [p for p in _pages(site) if not p.relative_to(site).as_posix().startswith(BROWSER_SKIPS_PREFIX)]
-    # One source page stands for the rest (same template, same assets).
+    # One page of each generated kind stands for the rest (same template, same assets).
     pages.append(site / "source" / "nanoengine" / "engine" / "core.py" / "index.html")
+    pages.append(site / "reference" / "nanoengine.engine.core" / "index.html")
+    assert all(page.is_file() for page in pages[-2:]), pages[-2:]
     for page in pages:
         errors = browser.open(_page_url(site, base_url, page))
         if errors:
@@ -284,6 +288,17 @@ def test_diagrams_render_offline(base_url: str, browser: Browser) -> None:
     assert browser.open(base_url + "chapters/ch05/") == []
     hosts = browser.evaluate("document.querySelectorAll('.mermaid').length")
     assert hosts >= 1, "chapter 5 should show the state machine as a diagram"
+    # Chapter 6's decoder layer on two ranks is drawn at build time from the model's slices.
+    assert browser.open(base_url + "chapters/ch06/") == []
+    assert browser.evaluate("document.querySelectorAll('.mermaid').length") >= 1, "chapter 6 lost its layer diagram"
+
+
+def test_ch06_layer_diagram_shows_each_ranks_slices(site: Path) -> None:
+    page = (site / "chapters" / "ch06" / "index.html").read_text(encoding="utf-8")
+    # Qwen3-0.6B's shapes at N = 2: q/k/v rows halved, o_proj's input columns halved.
+    for text in ("rank 0: qkv_proj [2048, 1024]", "rank 1: o_proj [1024, 1024]", "rank 1: down_proj [1024, 1536]",
+                 "attention over its 8 query heads, 4 KV heads", "all-reduce"):
+        assert text in page, text
 
 
 def test_code_link_lands_on_the_right_lines(base_url: str, browser: Browser) -> None:

@@ -237,7 +237,7 @@ def test_qwen3_5_resolves_to_the_built_in_config_under_dummy_only(
 
 
 def test_unknown_name_under_dummy_lists_the_built_in_configs(offline_cache: Path) -> None:
-    with pytest.raises(ValueError, match="ships none for 'some-org/unknown'; built-in configs: Qwen/Qwen3.5-0.8B"):
+    with pytest.raises(ValueError, match="ships none for 'some-org/unknown'; built-in configs: Qwen/Qwen3-0.6B, Qwen/Qwen3.5-0.8B"):
         resolve_model_path("some-org/unknown", "dummy")
 
 

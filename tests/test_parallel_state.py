@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -31,6 +31,12 @@ from nanoengine.distributed.parallel_state import (
     model_parallel_is_initialized,
 )
 from nanoengine.distributed.utils import check_tensor_parallel_size, first_kv_head_of_rank, kv_heads_per_rank
+from nanoengine.worker.tp_inspection import (
+    start_collective_tally,
+    stop_collective_tally,
+    take_collective_tally,
+)
+from nanoengine.worker.worker import Worker
 
 
 def test_nothing_initialized_means_one_rank_and_identity_ops() -> None:
@@ -63,6 +69,17 @@ def collectives_on_a_rank() -> dict[str, Any]:
         "gathered_first": gathered_first,
         "pid": os.getpid(),
     }
+    # The chapter-6 tally: counts only while on, then gives the group its methods back.
+    no_worker = cast(Worker, None)  # the tally reads the process's group, not the worker
+    start_collective_tally(no_worker)
+    tensor_model_parallel_all_reduce(torch.ones(4, 8))  # 128 bytes
+    group.all_gather(torch.ones(2, 3), dim=0)  # 24 bytes
+    tally = take_collective_tally(no_worker)
+    after_take = take_collective_tally(no_worker)
+    stop_collective_tally(no_worker)
+    out["tally"] = (tally.calls, tally.bytes, after_take.calls, sorted(vars(group)))
+    with pytest.raises(RuntimeError, match="start_collective_tally must run"):
+        take_collective_tally(no_worker)
     try:
         initialize_model_parallel(2)
     except RuntimeError as err:
@@ -90,6 +107,10 @@ def test_two_ranks_form_a_group_and_reduce_and_gather() -> None:
         assert "already initialized" in got["second_init"]
         assert got["after_destroy"] == (False, 1)
         assert got["groups_of_one"] == (1, 0, [rank])
+        calls, sizes, after_take, attributes = got["tally"]
+        assert calls == {"all_reduce": 1, "all_gather": 1} and sizes == {"all_reduce": 128, "all_gather": 24}
+        assert after_take == {"all_reduce": 0, "all_gather": 0}  # taking starts the count again
+        assert "all_reduce" not in attributes and "all_gather" not in attributes  # stopped: methods restored
     # run_on_ranks joined (reaped) both: the rank processes are gone.
     assert not any(Path(f"/proc/{got['pid']}").exists() for got in ranks)
     assert not parallel_state.model_parallel_is_initialized()  # this process never joined
@@ -133,3 +154,23 @@ def test_hybrid_models_refuse_more_than_one_rank() -> None:
     check_tensor_parallel_size(hybrid, 1)
     with pytest.raises(ValueError, match="Gated DeltaNet.*tensor_parallel_size=1"):
         check_tensor_parallel_size(hybrid, 2)
+
+
+def test_a_rank_shares_only_its_own_machine_between_the_ranks_there(
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Four ranks over two machines (Ray): each machine's cores and RAM are split two ways, not four.
+    from dataclasses import replace
+
+    from nanoengine.config import ParallelConfig
+    from nanoengine.engine.arg_utils import EngineArgs
+    from nanoengine.worker import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "available_ram_bytes", lambda: 8 << 30)
+    config = replace(EngineArgs(model=tiny_llama).create_engine_config(), parallel_config=ParallelConfig(4, "ray"))
+    per_machine = config.cache_config.cpu_kv_cache_fraction * (8 << 30)
+    two_here = Worker(config, rank=3, local_rank=1, local_world_size=2)
+    all_here = Worker(config, rank=3, local_rank=3)  # the one-machine default: every rank is here
+    assert all_here.local_world_size == 4
+    assert two_here._cpu_budget() == int(min(per_machine, config.cache_config.cpu_kv_cache_max_bytes)) // 2
+    assert all_here._cpu_budget() == two_here._cpu_budget() // 2

@@ -10,7 +10,9 @@
   is the link alone; ``{{ source_map() }}`` is the live component-tree table;
   ``{{ grader_checks("4.1") }}`` lists what the grader runs for an exercise: each
   check's behaviour, the first paragraph of its docstring (its inputs) and a
-  link to its code.
+  link to its code; ``{{ tp_layer_diagram() }}`` is chapter 6's mermaid
+  diagram of one decoder layer on two ranks, drawn from the model's slices
+  (``chapters/ch06_layer_diagram.py``, two real ranks spawned at build time).
   An unknown name, macro or exercise fails the build.
 """
 
@@ -138,6 +140,10 @@ def _expand(match: re.Match[str], page: Page) -> str:
         return source_map.render(lambda path, line, label: _line_link(page, path, line, label=label))
     if macro == "grader_checks":
         return _grader_checks(page, argument)
+    if macro == "tp_layer_diagram":
+        from chapters.ch06_layer_diagram import layer_diagram
+
+        return f"```mermaid\n{layer_diagram()}\n```\n"
     raise LookupError(f"unknown macro {macro!r}")
 
 

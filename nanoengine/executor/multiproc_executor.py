@@ -67,7 +67,7 @@ from nanoengine.utils.system_utils import (
     raise_system_exit,
     read_startup,
 )
-from nanoengine.worker.worker_base import WorkerWrapperBase
+from nanoengine.worker.worker_base import WorkerWrapperBase, method_name
 
 # What a worker process runs (``worker_main`` below), in a fresh interpreter.
 _WORKER_MAIN = "from nanoengine.executor.multiproc_executor import worker_main; worker_main()"
@@ -213,7 +213,7 @@ class MultiprocExecutor(Executor):
         self._raise_if_failed()
         # Pickled once, written N times: the same bytes reach every rank.
         message = pickle.dumps((method, args, kwargs or {}, unique_reply_rank))
-        name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+        name = method_name(method)
         call = _PendingCall(name, Future(), unique_reply_rank, [None] * len(self.workers), len(self.workers))
         with self._send_lock:
             with self._pending_lock:

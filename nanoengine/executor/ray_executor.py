@@ -32,6 +32,7 @@ multiprocess executor's.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -50,6 +51,7 @@ from nanoengine.executor.ray_utils import (
     wait_for_ranks,
 )
 from nanoengine.utils.component_tree import TreeNode
+from nanoengine.worker.worker_base import method_name
 
 # Joining the group and loading a slice of the weights happen before a rank is
 # ready; a rank still busy after this long is taken as stuck. (Dead or raising
@@ -106,10 +108,12 @@ class RayDistributedExecutor(Executor):
         self.workers = self._number_ranks(placements)
         if device_type == "cuda":
             self._show_each_rank_its_machines_gpus()
-        machines = {w.placement.node_id for w in self.workers}
-        init_method = self._rendezvous(one_machine=len(machines) == 1)
+        # Ranks per machine: they split that machine's cores and RAM between them.
+        ranks_per_node = Counter(w.placement.node_id for w in self.workers)
+        init_method = self._rendezvous(one_machine=len(ranks_per_node) == 1)
         starts = [
-            w.actor.start_worker.remote(w.rank, self.engine_config, w.local_rank, init_method) for w in self.workers
+            w.actor.start_worker.remote(w.rank, self.engine_config, w.local_rank, init_method, ranks_per_node[w.placement.node_id])
+            for w in self.workers
         ]
         wait_for_ranks(starts, "start_worker", STARTUP_TIMEOUT_S)
 
@@ -158,7 +162,7 @@ class RayDistributedExecutor(Executor):
         serializer); it must be importable there, like any code the ranks run.
         """
         self._raise_if_failed()
-        name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+        name = method_name(method)
         # One copy of each argument in the object store, read by every rank,
         # instead of one pickled copy per rank.
         shared_args = tuple(ray.put(arg) for arg in args)

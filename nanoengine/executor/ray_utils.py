@@ -147,10 +147,11 @@ class RayWorkerWrapper(WorkerWrapperBase):
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
 
     def start_worker(
-        self, rank: int, engine_config: EngineConfig, local_rank: int, distributed_init_method: str
+        self, rank: int, engine_config: EngineConfig, local_rank: int, distributed_init_method: str,
+        local_world_size: int,
     ) -> None:
         self.rpc_rank = rank
-        self.init_worker(engine_config, local_rank, distributed_init_method)
+        self.init_worker(engine_config, local_rank, distributed_init_method, local_world_size)
 
     def run_call(
         self,

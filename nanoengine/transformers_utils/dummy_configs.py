@@ -30,7 +30,22 @@ the special token ids (those other public Qwen3.5 configs give for
 size of those layers' projections and states, so the parameter count, and
 the memory, are only as exact as they are.
 
-The architecture is the text-only ``Qwen3_5ForCausalLM`` (``model_type``
+Qwen3-0.6B (chapter 6's tensor-parallelism walkthrough: its 16 heads over 8
+KV heads split evenly over 2, 4 or 8 ranks, where the default SmolLM2's 9
+over 3 do not). Values *stated* by public pages:
+
+* https://thedailyscout.com/s/Bn0oGKeDIJU : 28 layers, hidden size 1,024,
+  16 attention heads, 8 KV heads, 40,960 positions, vocabulary 151,936,
+  ``Qwen3ForCausalLM``;
+* https://www.fitmyllm.com/model/qwen3-0.6b : 28 layers, 8 KV heads, head
+  dimension 128;
+* https://kiraa-blog.vercel.app/post/learning-qwen3-0.6b/ : the printed
+  ``Qwen3Config``: no attention bias, head dimension 128, SiLU, tied
+  embeddings, bos 151643, eos 151645.
+
+Assumed: the FFN size (3,072), RoPE theta and ``rms_norm_eps``.
+
+The architecture of Qwen3.5 is the text-only ``Qwen3_5ForCausalLM`` (``model_type``
 ``qwen3_5_text``): the released checkpoint also carries a vision tower, which
 nanoengine never runs.
 """
@@ -126,9 +141,36 @@ _QWEN3_5_0_8B = BuiltinConfig(
 )
 # [/anchor: qwen3_5-0.8b-config]
 
+_QWEN3_0_6B = BuiltinConfig(
+    folder="Qwen3-0.6B",
+    config={
+        # Stated by the sources in the module docstring.
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": True,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        # Assumed (listed in ``assumed`` below).
+        "intermediate_size": 3072,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "rms_norm_eps": 1e-6,
+    },
+    assumed=("intermediate_size", "rope_parameters.rope_theta", "rms_norm_eps"),
+)
+
 # Model name (as a user writes it) -> its shipped config.
 BUILTIN_CONFIGS: dict[str, BuiltinConfig] = {
     "Qwen/Qwen3.5-0.8B": _QWEN3_5_0_8B,
+    "Qwen/Qwen3-0.6B": _QWEN3_0_6B,
 }
 
 

@@ -80,14 +80,18 @@ class Worker(TreeNode):
         rank: int = 0,
         local_rank: int = 0,
         distributed_init_method: str | None = None,
+        local_world_size: int | None = None,
     ) -> None:
         self.engine_config = engine_config
         # rank: this worker's place in the tensor-parallel group; local_rank:
-        # which of this machine's GPUs it drives (the same here: one machine).
+        # which of this machine's GPUs it drives (the same on one machine).
         self.rank = rank
         self.local_rank = local_rank
         self.distributed_init_method = distributed_init_method
         self.world_size = engine_config.parallel_config.world_size
+        # The ranks on this worker's machine, which share its cores and RAM: all
+        # of them on one machine; under Ray, those its placement put here.
+        self.local_world_size = local_world_size or self.world_size
         device = engine_config.device_config.device
         # One rank keeps "cuda" (the current device), as before; ranks of a
         # group each drive their own GPU.
@@ -122,7 +126,7 @@ class Worker(TreeNode):
         if self.device.type == "cpu":
             # N ranks on one CPU: each gets its share of the cores, or their
             # OpenMP pools would fight over the same cores (chapter 7).
-            torch.set_num_threads(max(1, usable_cpu_count() // self.world_size))
+            torch.set_num_threads(max(1, usable_cpu_count() // self.local_world_size))
         init_distributed_environment(
             world_size=self.world_size,
             rank=self.rank,
@@ -186,13 +190,13 @@ class Worker(TreeNode):
 
         The weights and the profiling pass already live in this process, so
         "available" is what is left for everything else on the machine too; the
-        fraction leaves most of it alone. Tensor-parallel ranks on one CPU share
-        one RAM: each takes 1/world_size of the budget (and stores only its
-        heads' K/V, so the engine still gets the block count of one process).
+        fraction leaves most of it alone. Tensor-parallel ranks on one machine
+        share its RAM: each takes 1/local_world_size of the budget (and stores
+        only its heads' K/V, so the engine still gets the block count of one process).
         """
         cache_config = self.engine_config.cache_config
         budget = int(available_ram_bytes() * cache_config.cpu_kv_cache_fraction)
-        return min(budget, cache_config.cpu_kv_cache_max_bytes) // self.world_size
+        return min(budget, cache_config.cpu_kv_cache_max_bytes) // self.local_world_size
 
     def _non_torch_bytes(self) -> int:
         """Device memory in use outside this process's torch allocator (the CUDA

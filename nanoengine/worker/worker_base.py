@@ -39,6 +39,11 @@ def run_method(worker: Worker, method: str | Callable[..., Any], args: Sequence[
     return method(worker, *args, **kwargs)
 
 
+def method_name(method: str | Callable[..., Any]) -> str:
+    """How an error message names a call: the Worker method's name, or the function's."""
+    return method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+
+
 class WorkerWrapperBase:
     """Holds one rank's Worker and runs the calls sent to it."""
 
@@ -48,10 +53,16 @@ class WorkerWrapperBase:
         self.rpc_rank = rpc_rank
         self.worker: Worker | None = None
 
-    def init_worker(self, engine_config: EngineConfig, local_rank: int, distributed_init_method: str | None) -> None:
-        """Build the Worker; its device and model come with the first calls (``init_device``, ``load_model``)."""
+    def init_worker(
+        self, engine_config: EngineConfig, local_rank: int, distributed_init_method: str | None,
+        local_world_size: int | None = None,
+    ) -> None:
+        """Build the Worker; its device and model come with the first calls (``init_device``, ``load_model``).
+
+        ``local_world_size``: the ranks on this machine (default: all of them).
+        """
         self.worker = Worker(engine_config, rank=self.rpc_rank, local_rank=local_rank,
-                             distributed_init_method=distributed_init_method)
+                             distributed_init_method=distributed_init_method, local_world_size=local_world_size)
 
     def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.worker is None:
