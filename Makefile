@@ -41,8 +41,13 @@ demo: venv kernels model
 	$(PYTHON) -m chapters.ch05_skeleton
 
 # tests/test_docs_site.py builds the site strictly and drives it in headless Chromium.
+# Two pytest workers (pytest-xdist), one test file each at a time (--dist loadfile:
+# a file's module fixtures -- a Ray cluster, the built site -- stay in one worker).
+# Much of the suite waits on processes it started (engines, servers, ranks, a
+# browser), so two workers finish in about two thirds of the time on 2 cores.
+TEST_WORKERS ?= 2
 test: venv kernels model browser docs-assets
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Debian's chromium, for the docs browser test; skipped when already installed.
 browser:

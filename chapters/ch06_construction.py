@@ -204,14 +204,19 @@ def gpu_what_if_table(report: MemoryReport, max_model_len: int) -> Table:
 
 def main(argv: list[str] | None = None) -> Ch06Result | TensorParallelResult:
     parser = base_parser(__doc__ or "")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    # None: 2048 for construction, 256 for the tensor-parallel walkthrough, whose
+    # prompts are short and whose N ranks each run the profiling pass of a whole budget.
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--dtype", default="auto", choices=("auto", *COMPARED_DTYPES))
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="N > 1: the tensor-parallelism walkthrough on N worker processes")
     parser.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
                         help="who starts the N workers (default: vLLM's rule, 'mp' on one machine)")
     args = parser.parse_args(argv)
+    default_length = 2048 if args.tensor_parallel_size == 1 else 256
+    args.max_model_len = args.max_model_len or default_length
+    args.max_num_batched_tokens = args.max_num_batched_tokens or default_length
     engine_kwargs = {
         "max_model_len": args.max_model_len,
         "max_num_batched_tokens": args.max_num_batched_tokens,

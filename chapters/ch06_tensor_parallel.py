@@ -41,6 +41,7 @@ from nanoengine.worker.tp_inspection import (
     start_collective_tally,
     stop_collective_tally,
     take_collective_tally,
+    time_all_reduce,
     weight_shards,
 )
 
@@ -51,6 +52,7 @@ PROMPT_TOKEN_IDS = [list(range(100, 105)), list(range(200, 209)), list(range(300
 # for any other N the walkthrough says so and uses a real model's shapes that
 # split over 2, 4 or 8 (16 heads over 8 KV heads), with random weights.
 DEFAULT_MODEL_STAND_IN = "Qwen/Qwen3-0.6B"
+TABLE_STEPS = 6  # rows of the per-step table (then the last step)
 _LAYER_INDEX = re.compile(r"\.layers\.\d+\.")
 
 
@@ -84,6 +86,10 @@ class TensorParallelResult:
     element_bytes: int  # of the activations the all-reduces carry
     model: str  # the model that ran (the stand-in when the default cannot split)
     output_token_ids: list[list[int]]
+    # One all-reduce of a decode step's [tokens, hidden] with every rank ready,
+    # measured on the ranks right after the run: the collectives' own cost.
+    idle_all_reduce_seconds: float = 0.0
+    decode_tokens: int = 0  # tokens of the typical decode step it was measured for
 
 
 def backend_reason(tensor_parallel_size: int, asked: str | None, chosen: str) -> str:
@@ -205,11 +211,14 @@ def _step_collectives(step: StepTrace, tallies: list[CollectiveTally]) -> StepCo
 
 
 def collectives_table(result: TensorParallelResult) -> Table:
-    table = Table(title="Collectives per engine step (counted on every rank; rank 0 shown, all ranks agree)")
+    table = Table(title="Collectives per engine step (counted on every rank; rank 0 shown)")
     for column in ("step", "tokens", "all-reduce", "all-reduce bytes", "all-gather", "all-gather bytes",
                    "in collectives", "model call", "share"):
         table.add_column(column, justify="right")
-    for step in result.steps:
+    shown = result.steps if len(result.steps) <= TABLE_STEPS else result.steps[: TABLE_STEPS - 1] + result.steps[-1:]
+    for step in shown:
+        if step is result.steps[-1] and len(shown) < len(result.steps):
+            table.add_row("...", f"({len(result.steps) - len(shown)} decode steps like these)", *[""] * 7)
         tally = step.tallies[0]
         table.add_row(
             str(step.step), str(step.num_tokens),
@@ -305,6 +314,10 @@ def _walk(llm: LLM, model: str, tensor_parallel_size: int, backend: str | None, 
         element_bytes=_element_bytes(engine_config.model_config.dtype), model=model,
         output_token_ids=output_token_ids,
     )
+    result.decode_tokens = len(PROMPT_TOKEN_IDS)
+    result.idle_all_reduce_seconds = max(
+        executor.collective_rpc(time_all_reduce, args=(result.decode_tokens * result.hidden_size,))
+    )
     console.print(collectives_table(result))
     problems = tally_mismatches(result)
     console.print("every step matched the formula on every rank" if not problems else "\n".join(problems))
@@ -316,13 +329,29 @@ def _element_bytes(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 
+def decode_steps(result: TensorParallelResult) -> list[StepCollectives]:
+    """The steps that ran one token per request (every prompt already in)."""
+    return [step for step in result.steps if step.num_tokens == step.num_rows]
+
+
 def _print_shares(result: TensorParallelResult) -> None:
-    by_kind: dict[str, list[float]] = defaultdict(list)
-    for step in result.steps:
-        by_kind["decode" if step.num_tokens == step.num_rows else "prefill"].append(step.share(0))
-    for kind, shares in by_kind.items():
-        console.print(f"{kind} steps: median {median(shares):.0%} of the model call in collectives "
-                      f"({len(shares)} steps, rank 0)")
-    console.print("On one CPU the ranks also share the cores and memory bandwidth: tensor parallelism pays off "
-                  "where each rank has a device of its own.")
-    console.print(f"greedy token ids out: {result.output_token_ids}")
+    decodes = decode_steps(result)
+    prefills = [step for step in result.steps if step not in decodes]
+    for kind, steps in (("prefill", prefills), ("decode", decodes)):
+        if steps:
+            shares = ", ".join(f"rank {rank} {median(step.share(rank) for step in steps):.0%}"
+                               for rank in range(len(result.ranks)))
+            console.print(f"{kind} steps ({len(steps)}): median share of the model call in collectives: {shares}")
+    if decodes:
+        waited = median(sum(step.tallies[0].seconds.values()) for step in decodes)
+        floor = result.idle_all_reduce_seconds * result.expected_all_reduces
+        console.print(
+            f"One all-reduce of [{result.decode_tokens}, {result.hidden_size}] with both ranks ready takes "
+            f"{result.idle_all_reduce_seconds * 1e3:.2f} ms here, so a decode step's {result.expected_all_reduces} "
+            f"cost at least {floor * 1e3:.0f} ms; rank 0 spent a median {waited * 1e3:.0f} ms in them: the rest is "
+            "waiting for the other rank to reach the same sum."
+        )
+    console.print("On one CPU the ranks share the cores and the memory bus with each other and with the engine core: "
+                  "tensor parallelism pays where each rank has a device of its own and a fast link to its peers.")
+    console.print(f"{sum(map(len, result.output_token_ids))} tokens generated (random weights: the ids mean nothing)"
+                  if result.model == DEFAULT_MODEL_STAND_IN else f"greedy token ids out: {result.output_token_ids}")

@@ -69,6 +69,9 @@ def test_tp2_walkthrough_refuses_smollm2_then_shows_ranks_shards_and_collectives
     assert all(0.0 < step.share(0) < 1.0 for step in result.steps)
     assert [len(ids) for ids in result.output_token_ids] == [3, 3, 3]
     assert "every step matched the formula on every rank" in out
+    # The floor under the collectives' seconds: one all-reduce with both ranks ready.
+    assert 0.0 < result.idle_all_reduce_seconds < 1.0 and result.decode_tokens == 3
+    assert "with both ranks ready takes" in out and "waiting for the other rank" in out
 
 
 @pytest.mark.default_model

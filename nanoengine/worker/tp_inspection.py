@@ -13,7 +13,9 @@ can import (a function is sent by its module and name).
   the dimension it is split along;
 * ``start_collective_tally`` / ``take_collective_tally`` /
   ``stop_collective_tally``: count the all-reduces and all-gathers a rank
-  makes, with their bytes and the seconds they block for.
+  makes, with their bytes and the seconds they block for;
+* ``time_all_reduce``: what one all-reduce costs when every rank arrives at
+  once, the floor under the tally's seconds (the rest is waiting for a peer).
 
 The tally taps the group's two methods from outside (``utils/method_taps.py``:
 their bodies stay as they are) and only while it is on: an engine that never
@@ -190,3 +192,21 @@ def stop_collective_tally(worker: Worker) -> None:
     group = get_tp_group()
     for collective in COLLECTIVES:
         vars(group).pop(collective, None)  # the class's own method shows through again
+
+
+def time_all_reduce(worker: Worker, num_elements: int, repeats: int = 200) -> float:
+    """Median seconds of an all-reduce of ``num_elements`` fp32 numbers, all ranks ready.
+
+    Every rank must call it at once (``collective_rpc`` does): each call then
+    starts with its peers already waiting, so the time is the collective's own.
+    """
+    group = get_tp_group()
+    tensor = torch.ones(num_elements)
+    for _ in range(10):  # warm-up: the first calls set up gloo's buffers
+        group.all_reduce(tensor)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        group.all_reduce(tensor)
+        seconds.append(time.perf_counter() - start)
+    return sorted(seconds)[len(seconds) // 2]
