@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any, TypeVar
 from rich.console import Console
 from rich.table import Table
 
+from chapters.i18n import chinese_heading, introductions
 from nanoengine import LLM
 from nanoengine.core.kv_cache_manager import KVCacheManager
 from nanoengine.core.kv_cache_sizing import max_concurrency
@@ -19,9 +21,51 @@ from nanoengine.engine.core import EngineCore
 from nanoengine.utils.component_tree import code_location
 from nanoengine.utils.mem_utils import format_bytes
 
+
+class ChapterConsole(Console):
+    """rich's Console, printing section headings in Chinese after ``--lang zh``.
+
+    A walkthrough's sections are ``console.rule(...)`` lines, or (chapters 3
+    and 4) the titles of its trace tables; everything else stays English.
+    """
+
+    language = "en"
+
+    def rule(self, title: Any = "", *args: Any, **kwargs: Any) -> None:
+        super().rule(self._heading(title), *args, **kwargs)
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        for obj in objects:
+            if isinstance(obj, Table) and isinstance(obj.title, str):
+                obj.title = self._heading(obj.title)
+        super().print(*objects, **kwargs)
+
+    def _heading(self, title: Any) -> Any:
+        if self.language != "zh" or not isinstance(title, str):
+            return title
+        return chinese_heading(title) or title
+
+
+class ChapterParser(argparse.ArgumentParser):
+    """The walkthroughs' parser: ``--lang zh`` switches the console and prints the chapter's introduction."""
+
+    def __init__(self, description: str, module: str) -> None:
+        super().__init__(description=description)
+        # Run as ``python -m chapters.chNN_x`` the module is "__main__"; its spec keeps the real name.
+        main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        self.module = main_spec.name if module == "__main__" and main_spec is not None else module
+
+    def parse_args(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        parsed = super().parse_args(*args, **kwargs)
+        console.language = parsed.lang
+        if parsed.lang == "zh":
+            console.rule(introductions().get(self.module, self.module))
+        return parsed
+
+
 # Off a terminal (CI logs, pipes) rich would wrap at 80 columns and cut the
 # file:line columns; a wider page keeps the tables whole.
-console = Console(width=None if Console().is_terminal else 160)
+console = ChapterConsole(width=None if Console().is_terminal else 160)
 T = TypeVar("T")
 
 # The two prompts of the study notes (chapters 1 and 5 use them verbatim).
@@ -29,8 +73,11 @@ SEED_PROMPTS = ["你好，请用一句话介绍你自己", "写一个把列表�
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
+def base_parser(description: str, module: str = "") -> argparse.ArgumentParser:
+    """The flags every walkthrough has; ``module`` (its ``__name__``) picks its ``--lang zh`` introduction."""
+    parser = ChapterParser(description, module)
+    parser.add_argument("--lang", choices=("en", "zh"), default="en",
+                        help="zh: section headings and the introduction in Chinese (the output stays English)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="short name, local HF dir or hub id")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per prompt")
     return parser

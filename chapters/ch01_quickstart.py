@@ -21,7 +21,7 @@ from nanoengine import LLM, SamplingParams
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = base_parser(__doc__ or "").parse_args(argv)
+    args = base_parser(__doc__ or "", __name__).parse_args(argv)
 
     # The study notes' code, with only the import changed.
     sampling_params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens, seed=0)

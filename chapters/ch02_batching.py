@@ -278,7 +278,7 @@ def layer_mix_summary(rows: list[LayerMixRow], requested_block_size: int) -> str
 
 
 def main(argv: list[str] | None = None) -> Ch02Result:
-    parser = base_parser(__doc__ or "")
+    parser = base_parser(__doc__ or "", __name__)
     parser.add_argument("--batch-sizes", default="1,4,16,32", help="comma-separated decode batch sizes")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8, help="decode steps measured per batch size")

@@ -105,7 +105,7 @@ def priority_preemption(args: argparse.Namespace) -> tuple[list[tuple[str, str]]
 
 
 def main(argv: list[str] | None = None) -> Ch03Result:
-    parser = base_parser(__doc__ or "")
+    parser = base_parser(__doc__ or "", __name__)
     parser.set_defaults(max_tokens=6)
     parser.add_argument("--max-num-batched-tokens", type=int, default=64, help="the per-step token budget")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")

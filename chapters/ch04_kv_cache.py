@@ -152,7 +152,7 @@ def lru_eviction(llm: LLM, bs: int) -> tuple[list[int], list[int], int]:
 
 
 def main(argv: list[str] | None = None) -> Ch04Result:
-    parser = base_parser(__doc__ or "")
+    parser = base_parser(__doc__ or "", __name__)
     parser.set_defaults(max_tokens=32)  # experiment 2: long enough to outgrow the cache
     parser.add_argument(
         "--block-size", type=int, default=16, help="tokens per KV cache block (a hybrid model may raise it)"

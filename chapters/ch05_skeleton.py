@@ -140,7 +140,7 @@ def what_changed(vllm_map: VllmMap) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = base_parser(__doc__ or "")
+    parser = base_parser(__doc__ or "", __name__)
     parser.add_argument("--no-generate", action="store_true", help="print the maps only (fast)")
     parser.add_argument("--json", action="store_true", help="print the tree, with vLLM counterparts, as JSON")
     args = parser.parse_args(argv)

@@ -203,7 +203,7 @@ def gpu_what_if_table(report: MemoryReport, max_model_len: int) -> Table:
 
 
 def main(argv: list[str] | None = None) -> Ch06Result | TensorParallelResult:
-    parser = base_parser(__doc__ or "")
+    parser = base_parser(__doc__ or "", __name__)
     # None: 2048 for construction, 256 for the tensor-parallel walkthrough, whose
     # prompts are short and whose N ranks each run the profiling pass of a whole budget.
     parser.add_argument("--max-model-len", type=int, default=None)

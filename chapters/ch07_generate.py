@@ -213,7 +213,7 @@ def compare_async(model: str, llm_kwargs: dict[str, int], params: SamplingParams
 
 
 def main(argv: list[str] | None = None) -> Ch07Result:
-    parser = base_parser(__doc__ or "")
+    parser = base_parser(__doc__ or "", __name__)
     parser.add_argument("--steps", type=int, default=3, help="steps printed stage by stage")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--skip-graph-sim", action="store_true", help="skip the Triton-interpreter step")

@@ -173,7 +173,7 @@ def hang_up_mid_stream(url: str, model: str, engine: AsyncLLM) -> tuple[str | No
 
 
 def main(argv: list[str] | None = None) -> Ch08Result:
-    parser = base_parser(__doc__ or "")
+    parser = base_parser(__doc__ or "", __name__)
     parser.add_argument("--max-model-len", type=int, default=1024)
     args = parser.parse_args(argv)
     console.rule("starting AsyncLLM: the engine core gets a process of its own")

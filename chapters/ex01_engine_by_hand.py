@@ -41,7 +41,7 @@ def run_to_completion(
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = base_parser(__doc__ or "").parse_args(argv)
+    args = base_parser(__doc__ or "", __name__).parse_args(argv)
     llm = LLM(model=args.model)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     output = run_to_completion(llm.llm_engine, "by-hand-0", "What is the capital of France?", params)

@@ -67,7 +67,7 @@ LAPTOP_VIEWPORT = (1400, 900)
 # code, API reference pages only mkdocstrings' rendering of a module. The link
 # check covers all of them; the browser opens one of each kind plus every
 # hand-written page (opening all 130-odd reference pages cost CI ~90 s).
-BROWSER_SKIPS_PREFIX = ("source/", "reference/")
+BROWSER_SKIPS_PREFIX = ("source/", "reference/", "zh/source/", "zh/reference/")
 
 
 # ------------------------------------------------------------------ build + serve
@@ -351,3 +351,39 @@ def test_source_map_reads_on_a_laptop_screen(site: Path, base_url: str, browser:
     assert layout["scrollWidth"] <= layout["columnWidth"], (
         f"the table is {layout['scrollWidth']} px wide in a {layout['columnWidth']} px column")
     print(f"source-map screenshot at {LAPTOP_VIEWPORT[0]} px: {shot}")
+
+
+# ------------------------------------------------------------ the Chinese edition
+SEARCH_RESULTS_JS = (
+    "new Promise(resolve => {"
+    " const input = document.querySelector('input.md-search__input');"
+    " input.value = %s; input.dispatchEvent(new Event('input', {bubbles: true}));"
+    " let tries = 0; const poll = () => {"
+    "  const links = [...document.querySelectorAll('.md-search-result__item a')].map(a => a.href);"
+    "  if (links.length || ++tries > 100) resolve(links); else setTimeout(poll, 100); };"
+    " poll(); })"
+)
+
+
+def test_language_switcher_leads_to_the_same_page_in_the_other_edition(base_url: str, browser: Browser) -> None:
+    assert browser.open(base_url + "chapters/ch03/") == []
+    switch = "[...document.querySelectorAll('a[hreflang]')].map(a => [a.hreflang, a.href])"
+    targets = dict(browser.evaluate(switch))
+    assert targets.get("zh", "").endswith("/zh/chapters/ch03/"), targets
+    assert browser.open(targets["zh"]) == []
+    assert browser.evaluate("document.documentElement.lang").startswith("zh")
+    assert "调度器" in browser.evaluate("document.querySelector('article').textContent")
+    back = dict(browser.evaluate(switch))
+    assert back.get("en", "").rstrip("/").endswith("/chapters/ch03"), back
+
+
+def test_a_chinese_page_renders_its_mermaid_diagram(base_url: str, browser: Browser) -> None:
+    # open() reports any diagram left unrendered, and any console error.
+    assert browser.open(base_url + "zh/chapters/ch05/") == []
+    assert browser.evaluate("document.querySelectorAll('.mermaid').length") >= 1
+
+
+def test_chinese_search_finds_the_scheduler_on_chapter_three(base_url: str, browser: Browser) -> None:
+    assert browser.open(base_url + "zh/") == []
+    results = browser.evaluate(SEARCH_RESULTS_JS % json.dumps("调度器"))
+    assert any("/zh/chapters/ch03/" in href for href in results), results

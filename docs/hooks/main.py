@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mkdocs.exceptions import PluginError
+from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
 from mkdocs.structure.pages import Page
 from mkdocs.utils import get_relative_url
@@ -58,8 +59,23 @@ def _modules() -> list[str]:
     return names
 
 
+def _glossary_words_for_search() -> None:
+    """Teach jieba (which cuts Chinese text into words for the search index) the
+    glossary's terms, so 调度器 is one word to search for, not 调度 + 器."""
+    try:
+        import jieba
+    except ImportError:
+        return  # no Chinese segmentation at all: nothing to teach
+    from chapters.i18n import glossary_terms
+
+    for chinese in glossary_terms().values():
+        for word in re.findall(r"[\u4e00-\u9fff]{2,}", chinese):
+            jieba.add_word(word)
+
+
 def on_config(config: Any) -> Any:
     code_regions.clear_cache()
+    _glossary_words_for_search()
     nav = config["nav"]
     entry = next((item for item in nav if isinstance(item, dict) and "API reference" in item), None)
     if entry is None:
@@ -74,6 +90,10 @@ def _source_page(path: Path) -> str:
     return f"# `{path.as_posix()}`\n\n{fence}{code_regions.language_of(path)} linenums=\"1\"\n{text}\n{fence}\n"
 
 
+# After the i18n plugin (priority -100) has sorted the hand-written pages into
+# their language: these generated pages have no source file, which it cannot
+# take, and every edition gets the same ones.
+@event_priority(-200)
 def on_files(files: Files, config: Any) -> Files:
     _SOURCE_URLS.clear()
     for path in code_regions.shown_files():
