@@ -18,13 +18,14 @@ functions of ``nanoengine/worker/tp_inspection.py`` run on each rank.
 
 from __future__ import annotations
 
+import math
 import os
 import re
-from collections import defaultdict
 from dataclasses import dataclass
 from statistics import median
 from typing import Any
 
+import torch
 from rich.markup import escape
 from rich.table import Table
 
@@ -145,8 +146,8 @@ def shards_table(shards: list[list[WeightShard]]) -> Table:
         first = per_rank[0]
         table.add_row(pattern, str(count), first.layer_type, _shape(first.full_shape), split_words(first),
                       *(_shape(shard.shape) for shard in per_rank))
-    totals = [sum(_numel(shard.shape) for shard in rank) for rank in shards]
-    whole = sum(_numel(shard.full_shape) for shard in shards[0])
+    totals = [sum(math.prod(shard.shape) for shard in rank) for rank in shards]
+    whole = sum(math.prod(shard.full_shape) for shard in shards[0])
     table.caption = escape(
         "split: dim 0 (column) cuts a [out, in] weight's output rows, dim 1 (row) its input columns, dim 0 (vocab) "
         "the vocabulary; whole: copied to every rank.\nnumbers held: "
@@ -154,13 +155,6 @@ def shards_table(shards: list[list[WeightShard]]) -> Table:
         + f"; one process would hold {whole:,} (a vocabulary not divisible by N is padded)"
     )
     return table
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 # ------------------------------------------------------------------ collectives
@@ -311,7 +305,7 @@ def _walk(llm: LLM, model: str, tensor_parallel_size: int, backend: str | None, 
         backend=chosen, backend_reason=reason, executor_class=type(executor).__name__, engine_tree=tree,
         ranks=ranks, shards=shards, steps=steps, expected_all_reduces=all_reduces,
         expected_all_gathers=all_gathers, hidden_size=text_config.hidden_size,
-        element_bytes=_element_bytes(engine_config.model_config.dtype), model=model,
+        element_bytes=getattr(torch, engine_config.model_config.dtype).itemsize, model=model,
         output_token_ids=output_token_ids,
     )
     result.decode_tokens = len(PROMPT_TOKEN_IDS)
@@ -323,10 +317,6 @@ def _walk(llm: LLM, model: str, tensor_parallel_size: int, backend: str | None, 
     console.print("every step matched the formula on every rank" if not problems else "\n".join(problems))
     _print_shares(result)
     return result
-
-
-def _element_bytes(dtype: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 
 def decode_steps(result: TensorParallelResult) -> list[StepCollectives]:
