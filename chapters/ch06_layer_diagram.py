@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from chapters.ch06_tensor_parallel import DEFAULT_MODEL_STAND_IN
+from chapters.ch06_tensor_parallel import DEFAULT_MODEL_STAND_IN, shape_text
 from chapters.grade_checks.tp_ranks import run_on_ranks
 from nanoengine.distributed.utils import kv_heads_per_rank
 from nanoengine.transformers_utils.dummy_configs import BUILTIN_CONFIGS
@@ -43,14 +43,17 @@ def shards_on_ranks(config: dict[str, Any], world_size: int = 2) -> list[list[We
     return shards
 
 
-def _shape(shape: tuple[int, ...]) -> str:
-    return "[" + ", ".join(str(size) for size in shape) + "]"
-
-
 def _layer_zero(shards: list[WeightShard], sublayer: str, split_dim: int) -> list[WeightShard]:
     """Layer 0's weights under ``sublayer`` split along ``split_dim``, in model order."""
     prefix = f".layers.0.{sublayer}."
     return [s for s in shards if prefix in s.name and s.name.endswith(".weight") and s.split_dim == split_dim]
+
+
+def _projection_box(rank: int, shard: WeightShard) -> str:
+    """A box's text: the rank, the projection's name and its slice, of the whole checkpoint tensor."""
+    projection = shard.name.rsplit(".", 2)[-2]  # model.layers.0.self_attn.qkv_proj.weight -> qkv_proj
+    return (f"rank {rank}: {projection} {shape_text(shard.shape)}<br/>{shard.layer_type}, "
+            f"of {shape_text(shard.full_shape)}")
 
 
 def layer_split_mermaid(shards: list[list[WeightShard]], config: dict[str, Any]) -> str:
@@ -66,19 +69,13 @@ def layer_split_mermaid(shards: list[list[WeightShard]], config: dict[str, Any])
         norm_node, reduce_node = f"norm{index}", f"reduce{index}"
         lines.append(f'    {previous} --> {norm_node}["{norm}<br/>whole weight on every rank"]')
         for rank, rank_shards in enumerate(shards):
-            chain = [
-                f"rank {rank}: {s.name.rsplit('.', 2)[-2]} {_shape(s.shape)}<br/>{s.layer_type}, of {_shape(s.full_shape)}"
-                for s in _layer_zero(rank_shards, sublayer, 0)
-            ]
+            chain = [_projection_box(rank, s) for s in _layer_zero(rank_shards, sublayer, 0)]
             if sublayer == "self_attn":
                 chain.append(f"rank {rank}: attention over its {q_heads} query heads, {kv_heads} KV heads")
             else:
                 chain.append(f"rank {rank}: SiLU(gate) x up<br/>[T, {intermediate}] of [T, {config['intermediate_size']}]")
-            chain += [
-                f"rank {rank}: {s.name.rsplit('.', 2)[-2]} {_shape(s.shape)}<br/>{s.layer_type}, of "
-                f"{_shape(s.full_shape)}<br/>a partial sum [T, {hidden}]"
-                for s in _layer_zero(rank_shards, sublayer, 1)
-            ]
+            chain += [f"{_projection_box(rank, s)}<br/>a partial sum [T, {hidden}]"
+                      for s in _layer_zero(rank_shards, sublayer, 1)]
             node = norm_node
             for step, text in enumerate(chain):
                 lines.append(f'    {node} --> s{index}r{rank}n{step}["{text}"]')

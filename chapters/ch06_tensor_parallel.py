@@ -69,7 +69,7 @@ class StepCollectives:
 
     def share(self, rank: int) -> float:
         """The part of the step's model call this rank spent inside collectives."""
-        return sum(self.tallies[rank].seconds.values()) / self.execute_seconds if self.execute_seconds else 0.0
+        return self.tallies[rank].total_seconds / self.execute_seconds if self.execute_seconds else 0.0
 
 
 @dataclass
@@ -87,10 +87,10 @@ class TensorParallelResult:
     element_bytes: int  # of the activations the all-reduces carry
     model: str  # the model that ran (the stand-in when the default cannot split)
     output_token_ids: list[list[int]]
-    # One all-reduce of a decode step's [tokens, hidden] with every rank ready,
+    decode_tokens: int  # tokens of the typical decode step (one per prompt)
+    # One all-reduce of that step's [tokens, hidden] with every rank ready,
     # measured on the ranks right after the run: the collectives' own cost.
-    idle_all_reduce_seconds: float = 0.0
-    decode_tokens: int = 0  # tokens of the typical decode step it was measured for
+    idle_all_reduce_seconds: float
 
 
 def backend_reason(tensor_parallel_size: int, asked: str | None, chosen: str) -> str:
@@ -125,7 +125,8 @@ def shard_rows(shards: list[list[WeightShard]]) -> list[tuple[str, int, list[Wei
     return [(pattern, count, per_rank) for pattern, (count, per_rank) in rows.items()]
 
 
-def _shape(shape: tuple[int, ...]) -> str:
+def shape_text(shape: tuple[int, ...]) -> str:
+    """``(2048, 1024)`` -> ``[2048, 1024]``, as tensor shapes are written in the chapter."""
     return "[" + ", ".join(str(size) for size in shape) + "]"
 
 
@@ -144,8 +145,8 @@ def shards_table(shards: list[list[WeightShard]]) -> Table:
         table.add_column(column, justify="right" if column == "layers" else "left")
     for pattern, count, per_rank in shard_rows(shards):
         first = per_rank[0]
-        table.add_row(pattern, str(count), first.layer_type, _shape(first.full_shape), split_words(first),
-                      *(_shape(shard.shape) for shard in per_rank))
+        table.add_row(pattern, str(count), first.layer_type, shape_text(first.full_shape), split_words(first),
+                      *(shape_text(shard.shape) for shard in per_rank))
     totals = [sum(math.prod(shard.shape) for shard in rank) for rank in shards]
     whole = sum(math.prod(shard.full_shape) for shard in shards[0])
     table.caption = escape(
@@ -218,7 +219,7 @@ def collectives_table(result: TensorParallelResult) -> Table:
             str(step.step), str(step.num_tokens),
             str(tally.calls["all_reduce"]), format_bytes(tally.bytes["all_reduce"]),
             str(tally.calls["all_gather"]), format_bytes(tally.bytes["all_gather"]),
-            f"{sum(tally.seconds.values()) * 1e3:.1f} ms", f"{step.execute_seconds * 1e3:.1f} ms",
+            f"{tally.total_seconds * 1e3:.1f} ms", f"{step.execute_seconds * 1e3:.1f} ms",
             f"{step.share(0):.0%}",
         )
     table.caption = escape(
@@ -301,16 +302,14 @@ def _walk(llm: LLM, model: str, tensor_parallel_size: int, backend: str | None, 
     text_config = engine_config.model_config.hf_text_config
     all_reduces, all_gathers = expected_collectives(text_config.num_hidden_layers)
     steps, output_token_ids = run_steps(llm, executor, max_tokens)
+    decode_tokens = len(PROMPT_TOKEN_IDS)
+    idle_seconds = max(executor.collective_rpc(time_all_reduce, args=(decode_tokens * text_config.hidden_size,)))
     result = TensorParallelResult(
         backend=chosen, backend_reason=reason, executor_class=type(executor).__name__, engine_tree=tree,
         ranks=ranks, shards=shards, steps=steps, expected_all_reduces=all_reduces,
         expected_all_gathers=all_gathers, hidden_size=text_config.hidden_size,
         element_bytes=getattr(torch, engine_config.model_config.dtype).itemsize, model=model,
-        output_token_ids=output_token_ids,
-    )
-    result.decode_tokens = len(PROMPT_TOKEN_IDS)
-    result.idle_all_reduce_seconds = max(
-        executor.collective_rpc(time_all_reduce, args=(result.decode_tokens * result.hidden_size,))
+        output_token_ids=output_token_ids, decode_tokens=decode_tokens, idle_all_reduce_seconds=idle_seconds,
     )
     console.print(collectives_table(result))
     problems = tally_mismatches(result)
@@ -333,7 +332,7 @@ def _print_shares(result: TensorParallelResult) -> None:
                                for rank in range(len(result.ranks)))
             console.print(f"{kind} steps ({len(steps)}): median share of the model call in collectives: {shares}")
     if decodes:
-        waited = median(sum(step.tallies[0].seconds.values()) for step in decodes)
+        waited = median(step.tallies[0].total_seconds for step in decodes)
         floor = result.idle_all_reduce_seconds * result.expected_all_reduces
         console.print(
             f"One all-reduce of [{result.decode_tokens}, {result.hidden_size}] with both ranks ready takes "

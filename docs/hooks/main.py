@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from pathlib import Path
@@ -71,6 +72,16 @@ def _glossary_words_for_search() -> None:
     for chinese in glossary_terms().values():
         for word in re.findall(r"[\u4e00-\u9fff]{2,}", chinese):
             jieba.add_word(word)
+
+
+@functools.cache
+def _tp_layer_diagram() -> str:
+    """Chapter 6's diagram, drawn once per mkdocs run: both editions show it
+    (the i18n plugin builds each, calling on_config each time), and drawing it
+    spawns two ranks. ``mkdocs serve`` draws it again when restarted."""
+    from chapters.ch06_layer_diagram import layer_diagram
+
+    return layer_diagram()
 
 
 def on_config(config: Any) -> Any:
@@ -161,9 +172,7 @@ def _expand(match: re.Match[str], page: Page) -> str:
     if macro == "grader_checks":
         return _grader_checks(page, argument)
     if macro == "tp_layer_diagram":
-        from chapters.ch06_layer_diagram import layer_diagram
-
-        return f"```mermaid\n{layer_diagram()}\n```\n"
+        return f"```mermaid\n{_tp_layer_diagram()}\n```\n"
     raise LookupError(f"unknown macro {macro!r}")
 
 

@@ -141,6 +141,11 @@ class CollectiveTally:
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COLLECTIVES, 0))
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COLLECTIVES, 0.0))
 
+    @property
+    def total_seconds(self) -> float:
+        """Wall time in every collective together."""
+        return sum(self.seconds.values())
+
     def record(self, collective: str, tensor: torch.Tensor, seconds: float) -> None:
         self.calls[collective] += 1
         self.bytes[collective] += tensor.numel() * tensor.element_size()
