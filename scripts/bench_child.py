@@ -72,7 +72,9 @@ class ChildSystem:
             text=True,
             env=env,
         )
-        self.version = str(self._read().get("version", "?"))
+        hello = self._read()
+        self.version = str(hello.get("version", "?"))
+        self.kernels = str(hello.get("kernels", "?"))  # which compiled kernels the child runs
         self.last_metrics: dict[str, list[float]] = {"ttft": [], "tpot": []}
 
     def _read(self) -> dict[str, Any]:
@@ -132,15 +134,21 @@ def _latencies(
     return ttft, tpot
 
 
-def _nanoengine(config: dict[str, Any]) -> tuple[str, Generate]:
+def _nanoengine(config: dict[str, Any]) -> tuple[str, str, Generate]:
     import torch
 
     import nanoengine
     from nanoengine import LLM, SamplingParams
+    from nanoengine.attention.selector import resolve_backend_name
+    from nanoengine.model_executor.layers.cpu_linear import resolve_linear_backend
+    from nanoengine.platforms.cpu import kernel_isa
     from nanoengine.renderers.hf import TokensPrompt
 
     torch.set_num_threads(config.pop("threads"))
     llm = LLM(**config)
+    cpu, dtype = torch.device("cpu"), getattr(torch, config.get("dtype") or "float32")
+    kernels = (f"kernel variant {kernel_isa()}, attention {resolve_backend_name('auto', cpu, dtype)}, "
+               f"linear {resolve_linear_backend('auto', cpu, dtype)}, ATen {torch.backends.cpu.get_cpu_capability()}")
 
     def generate(
         prompts: list[list[int]], max_tokens: list[int]
@@ -157,15 +165,25 @@ def _nanoengine(config: dict[str, Any]) -> tuple[str, Generate]:
         )
         return [list(o.outputs[0].token_ids) for o in outputs], ttft, tpot
 
-    return nanoengine.__version__, generate
+    return nanoengine.__version__, kernels, generate
 
 
-def _vllm(config: dict[str, Any]) -> tuple[str, Generate]:
+def _vllm(config: dict[str, Any]) -> tuple[str, str, Generate]:
+    import torch
+
+    if os.environ.get("NANOENGINE_CPU_ISA") == "avx2":
+        # vLLM loads its _C_AVX2 kernels where torch reports no AVX-512
+        # (CpuPlatform.import_kernels); bench.py --isa avx2 makes it report none.
+        torch.cpu._is_avx512_supported = lambda: False
     import vllm  # only ever imported inside the vLLM venv
     from vllm import LLM, SamplingParams
 
     config.pop("threads")  # vLLM reads OMP_NUM_THREADS itself
     llm = LLM(**config, disable_log_stats=False)
+    # vLLM's own rule (CpuPlatform.import_kernels): _C needs avx512_bf16 too.
+    avx512, bf16 = torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported()
+    library = ("_C" if bf16 else "_C_AVX512") if avx512 else "_C_AVX2"
+    kernels = f"vLLM kernels {library}, ATen {torch.backends.cpu.get_cpu_capability()}"
 
     def tpot_of(out: Any) -> float | None:
         stats = out.metrics
@@ -183,13 +201,13 @@ def _vllm(config: dict[str, Any]) -> tuple[str, Generate]:
         )
         return [list(o.outputs[0].token_ids) for o in outputs], ttft, tpot
 
-    return str(vllm.__version__), generate
+    return str(vllm.__version__), kernels, generate
 
 
 def _serve(kind: str, config_json: str) -> None:
     """The child: build the engine once, then answer one JSON request per stdin line."""
-    version, generate = {"nanoengine": _nanoengine, "vllm": _vllm}[kind](json.loads(config_json))
-    print(MARKER + json.dumps({"version": version}), flush=True)
+    version, kernels, generate = {"nanoengine": _nanoengine, "vllm": _vllm}[kind](json.loads(config_json))
+    print(MARKER + json.dumps({"version": version, "kernels": kernels}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         tokens, ttft, tpot = generate(request["prompts"], request["max_tokens"])

@@ -21,6 +21,11 @@ processes (chapter 7 explains why one process should run one engine):
     python scripts/profile_step.py --dtype float32
     python scripts/profile_step.py --dtype bfloat16
 
+``--prefill`` times the other kind of step instead: one prompt of
+``--context`` tokens (2,048 for the profile pass ``LLM(...)`` runs at start-up,
+chapter 6), prefilled ``--steps`` times with fresh token ids. Run it once per
+kernel variant (``NANOENGINE_CPU_ISA=avx2`` caps it; chapter 7's per-ISA table).
+
 vLLM 0.32 counterpart: none; vLLM profiles with ``torch.profiler``, which does
 not see nanoengine's pybind11 kernels.
 """
@@ -42,6 +47,7 @@ from nanoengine.executor.uniproc_executor import UniProcExecutor
 from nanoengine.model_executor.custom_op import CustomOp
 from nanoengine.model_executor.layers.cpu_linear import PackableLinear
 from nanoengine.model_executor.layers.layernorm import RMSNorm
+from nanoengine.platforms.cpu import cpu_flags, cpu_model_name, kernel_isa
 from nanoengine.renderers.hf import TokensPrompt
 from nanoengine.utils.mem_utils import format_bytes
 from nanoengine.utils.method_taps import tap
@@ -101,6 +107,7 @@ def attach(llm: LLM, timer: PartTimer) -> None:
     impl = next(m.impl for m in model.modules() if hasattr(m, "impl"))
     timer.watch(impl, "_write", "attention")
     timer.watch(impl, "_decode_batch", "attention")
+    timer.watch(impl, "_prefill_batch", "attention")
     timer.watch(runner, "_forward", "forward")
     timer.watch(runner.sampler, "forward", "sampling")
 
@@ -127,6 +134,27 @@ def profile(args: argparse.Namespace) -> tuple[LLM, list[dict[str, float]]]:
     return llm, steps[1:]  # the first full decode step still pays first-touch costs
 
 
+def profile_prefill(args: argparse.Namespace) -> tuple[LLM, list[dict[str, float]]]:
+    """``--steps`` prefill steps of one fresh ``--context``-token prompt each (one token generated)."""
+    llm = LLM(args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False, max_num_seqs=1,
+              max_model_len=args.context + 16, max_num_batched_tokens=max(args.context, 256))
+    timer = PartTimer()
+    attach(llm, timer)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    steps: list[dict[str, float]] = []
+    for i in range(args.steps + 1):
+        # Ids below 260 fit any test model's vocabulary; no prefix cache, so repeats cost the same.
+        prompt: TokensPrompt = {"prompt_token_ids": [(13 * i + 7 * j) % 250 + 10 for j in range(args.context)]}
+        engine.add_rendered_request(f"p{i}", engine.renderer.render_prompt(prompt), params)
+        with timer.step() as parts:
+            engine.step()  # the whole prompt fits one step: prefill and its one token
+        steps.append(parts)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return llm, steps[1:]  # the first step still pays first-touch costs
+
+
 def report(args: argparse.Namespace, llm_steps: list[dict[str, float]], console: Console) -> None:
     def median_ms(part: str) -> float:
         return statistics.median(s.get(part, 0.0) for s in llm_steps) * 1e3
@@ -136,14 +164,19 @@ def report(args: argparse.Namespace, llm_steps: list[dict[str, float]], console:
     parts["the rest of the forward"] = median_ms("forward") - sum(parts.values())
     parts["sampling"] = median_ms("sampling")
     parts["the engine"] = step - median_ms("forward") - parts["sampling"]
-    table = Table(title=f"decode step, batch {args.batch}, ~{args.context} cached tokens each, {args.dtype}")
+    kind = (f"prefill step, one prompt of {args.context} tokens" if getattr(args, "prefill", False)
+            else f"decode step, batch {args.batch}, ~{args.context} cached tokens each")
+    table = Table(title=f"{kind}, {args.dtype}, kernel variant {kernel_isa()}")
     for column in ("part", "median ms", "share"):
         table.add_column(column, justify="left" if column == "part" else "right")
     for part, ms in parts.items():
         table.add_row(part, f"{ms:.1f}", f"{ms / step:.0%}")
     table.add_row("step", f"{step:.1f}", "100%")
     console.print(table)
-    console.print(f"{len(llm_steps)} steps measured; {args.batch / step * 1e3:.0f} decode tok/s")
+    if getattr(args, "prefill", False):
+        console.print(f"{len(llm_steps)} steps measured; {args.context / step * 1e3:.0f} prompt tok/s")
+    else:
+        console.print(f"{len(llm_steps)} steps measured; {args.batch / step * 1e3:.0f} decode tok/s")
 
 
 def bytes_per_step(args: argparse.Namespace, llm: LLM, console: Console) -> None:
@@ -166,9 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=250, help="prompt tokens per request")
-    parser.add_argument("--steps", type=int, default=12, help="decode steps measured")
+    parser.add_argument("--steps", type=int, default=12, help="steps measured")
+    parser.add_argument("--prefill", action="store_true", help="time prefill steps of one prompt instead")
     args = parser.parse_args(argv)
     console = Console()
+    console.print(f"CPU: {cpu_model_name()}; flags: {' '.join(cpu_flags())}")
+    if args.prefill:
+        llm, steps = profile_prefill(args)
+        report(args, steps, console)
+        return 0
     llm, steps = profile(args)
     report(args, steps, console)
     bytes_per_step(args, llm, console)

@@ -108,9 +108,10 @@ def make_sequences(
     num_kv_heads: int,
     head_dim: int = HEAD_DIM,
     dtype: torch.dtype = torch.float32,
+    num_blocks: int = NUM_BLOCKS,
 ) -> list[Sequence]:
     """Random q/k/v in ``dtype``; the dense reference widens these exact values to float64."""
-    blocks = allocate_blocks(lengths, BLOCK_SIZE, NUM_BLOCKS)
+    blocks = allocate_blocks(lengths, BLOCK_SIZE, num_blocks)
     return [
         Sequence(
             torch.randn(n, num_heads, head_dim).to(dtype),
@@ -123,13 +124,13 @@ def make_sequences(
 
 
 def garbage_cache(
-    num_kv_heads: int, head_dim: int = HEAD_DIM, dtype: torch.dtype = torch.float32
+    num_kv_heads: int, head_dim: int = HEAD_DIM, dtype: torch.dtype = torch.float32, num_blocks: int = NUM_BLOCKS
 ) -> torch.Tensor:
     # Large finite garbage everywhere (the engine's cache is zero-filled and only
     # finite K/V are written, so slots are never NaN): any unwritten or foreign slot
     # that leaks into a result moves it far from the dense reference.
     generator = torch.Generator().manual_seed(1234)
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim)
+    shape = (2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     return (torch.randn(shape, generator=generator) * 1e3).to(dtype)
 
 

@@ -65,7 +65,7 @@ from nanoengine.model_executor.layers.linear import QKVParallelLinear
 from nanoengine.model_executor.layers.rotary_embedding import RotaryEmbedding, default_inv_freq
 from nanoengine.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoengine.model_executor.model_loader import get_model
-from nanoengine.platforms.cpu import cpu_bf16_features
+from nanoengine.platforms.cpu import cpu_bf16_features, kernel_isa
 from nanoengine.worker.page_advice import advise_no_huge_pages
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="no C++ compiler for the CPU kernels")
@@ -130,6 +130,23 @@ def test_prefill_kernel_tiles_chunks_and_mixed_batches(
     rounded_once = in_kernel and dtype == torch.bfloat16
     run_against_reference(CPUAttentionImpl(), seqs, [(0, 23), (1, 37)], caches, rounded_once)
     run_against_reference(CPUAttentionImpl(), seqs, [(1, 1), (0, 17), (2, 20)], caches, rounded_once)
+
+
+@over_dtypes
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4)])
+def test_prefill_kernel_online_softmax_across_key_and_query_blocks(
+    num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> None:
+    """Prompts longer than the kernel's blocks (128 keys, 128 query tokens a work item):
+    a 300-token prompt, then a 170-token chunk after 150 cached tokens beside a fresh
+    prompt of 131, so rows rescale their running sums as later key blocks raise their
+    maximum, and work items start mid-prompt and mid-block."""
+    seqs = make_sequences([320, 131], num_heads, num_kv_heads, 64, dtype=dtype, num_blocks=120)
+    cache = garbage_cache(num_kv_heads, 64, dtype=dtype, num_blocks=120)
+    caches = (cache.clone(), cache.clone())
+    rounded_once = dtype == torch.bfloat16
+    run_against_reference(CPUAttentionImpl(), seqs, [(0, 150)], caches, rounded_once)
+    run_against_reference(CPUAttentionImpl(), seqs, [(0, 170), (1, 131)], caches, rounded_once)
 
 
 @over_dtypes
@@ -198,6 +215,10 @@ def test_auto_backend_is_cpu_here_and_falls_back_when_the_build_fails(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+            # The linear layers fall back too (an ARM laptop whose compiler refuses the flags):
+            # oneDNN's prepacked matmul where torch has it, else F.linear.
+            fallback = "onednn" if onednn_supports(torch.float32) else "torch"
+            assert resolve_linear_backend("auto", torch.device("cpu"), torch.float32) == fallback
         assert any("no compiler here" in str(w.message) for w in caught)
         with pytest.raises(ValueError, match="failed to build"):
             resolve_backend_name("cpu", torch.device("cpu"))
@@ -362,7 +383,8 @@ def backend_refused(backend: str, dtype: torch.dtype) -> bool:
             resolve_linear_backend("cpu", cpu, torch.bfloat16)
         return True
     if backend == "onednn" and not onednn_supports(torch.bfloat16):
-        assert not torch.cpu._is_avx512_supported(), "oneDNN refuses bf16 on a CPU with AVX-512"
+        # (or in a process capped at AVX2: ONEDNN_MAX_CPU_ISA=AVX2, see test_kernel_isa.py)
+        assert not torch.cpu._is_avx512_supported() or kernel_isa() != "avx512", "oneDNN refuses bf16 with AVX-512"
         with pytest.raises(ValueError, match="AVX-NE-CONVERT"):
             resolve_linear_backend("onednn", cpu, torch.bfloat16)
         return True
@@ -403,11 +425,13 @@ def test_packed_linear_matches_f_linear(backend: str, bias: bool, rows: int, dty
 
 
 def test_cpu_gemm_large_products_cross_its_row_blocks() -> None:
-    # K = 1536 makes a row block 36 rows (256 KB of x), so 100 rows take three
-    # blocks: the outer loop of packed_linear, not only its tiles, is exercised.
+    # K = 1536 makes a row block 36 rows with AVX-512, 42 with AVX2 (256 KB of x),
+    # so 100 rows take three blocks: the outer loop of packed_linear, not only its
+    # tiles, is exercised. A panel is two vectors: 32 columns (AVX-512) or 16 (AVX2).
     weight, x = torch.randn(70, 1536), torch.randn(100, 1536)
     packed = load_cpu_ops().pack_linear_weight(weight)
-    assert packed.shape == (3, 1536, 32)
+    panel = 32 if load_cpu_ops().packed_linear_has_wide_vectors() else 16
+    assert packed.shape == (-(-70 // panel), 1536, panel)
     torch.testing.assert_close(cpu_linear(x, packed, None, 70), x @ weight.t(), atol=1e-3, rtol=1e-5)
     with pytest.raises(RuntimeError, match="must share K"):
         cpu_linear(torch.randn(2, 1535), packed, None, 70)
@@ -550,9 +574,9 @@ def test_resolve_linear_backend() -> None:
     """ "auto" picks nanoengine's GEMM where it runs the dtype fast, oneDNN for other
     fp32/bf16, F.linear for the rest; a backend that cannot run the dtype is refused."""
     cpu = torch.device("cpu")
-    wide = load_cpu_ops().packed_linear_has_wide_vectors()
-    assert resolve_linear_backend("auto", cpu, torch.float32) == ("cpu" if wide else "onednn")
-    bf16_fast = bool(bf16_gemm_kernels()) and wide
+    tuned = kernel_isa() in ("avx512", "avx2")
+    assert resolve_linear_backend("auto", cpu, torch.float32) == ("cpu" if tuned else "onednn")
+    bf16_fast = bool(bf16_gemm_kernels()) and tuned
     bf16_fallback = "onednn" if onednn_supports(torch.bfloat16) else "torch"
     assert resolve_linear_backend("auto", cpu, torch.bfloat16) == ("cpu" if bf16_fast else bf16_fallback)
     assert resolve_linear_backend("auto", cpu, torch.float16) == "torch"

@@ -38,3 +38,17 @@ def test_profile_times_every_part_of_full_decode_steps(
     script.bytes_per_step(args, llm, script.Console())
     out = capsys.readouterr().out
     assert "the engine" in out and "bytes per step" in out and dtype in out
+
+
+def test_prefill_profile_times_one_prompt_per_step(tiny_llama: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--prefill: each measured step prefills one fresh prompt, its attention and matmuls timed."""
+    script = _load_script()
+    args = script.argparse.Namespace(model=tiny_llama, dtype="float32", batch=1, context=40, steps=3, prefill=True)
+    _, steps = script.profile_prefill(args)
+    assert len(steps) == 3
+    for parts in steps:
+        for part in ("matmuls", "attention", "forward", "step"):
+            assert parts.get(part, 0.0) > 0, f"{part!r} was not timed in a prefill step: {parts}"
+    script.report(args, steps, script.Console())
+    out = capsys.readouterr().out
+    assert "prefill step, one prompt of 40 tokens" in out and "prompt tok/s" in out

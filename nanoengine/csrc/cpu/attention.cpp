@@ -62,11 +62,11 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
 }
 
 // NH query heads that share one KV head (a GQA group, or a slice of one),
-// head_dim = VECS * 16. Pass 1 reads each key row once for all NH heads and
+// head_dim = VECS * kLanes. Pass 1 reads each key row once for all NH heads and
 // keeps one score per head and token; pass 2 reads each value row once and
 // adds it into NH * VECS accumulator registers. Reading the K/V bytes is the
 // cost that matters (they come from DRAM); everything else stays in registers.
-// q/out: NH consecutive heads of VECS * 16 elements. scores: >= NH * len floats.
+// q/out: NH consecutive heads of VECS * kLanes elements. scores: >= NH * len floats.
 // T (float or BFloat16) is the element type of q, out and the cache; the
 // scores, the softmax and the accumulators are fp32 either way.
 template <int VECS, int NH, typename T>
@@ -77,24 +77,24 @@ void attend_head_group(T* out, const T* q, const PagedRows<T>& keys, const Paged
   FloatVec qv[NH][VECS];
   for (int h = 0; h < NH; ++h)
     for (int j = 0; j < VECS; ++j) qv[h][j] = load_vec(q + h * kDim + j * kLanes);
-  // Pass 1, sixteen keys at a time: widen their rows once, then for each head
-  // form the 16 products q . k as vectors of partial sums and fold them into
-  // one vector holding the 16 scores (sum_lanes_of_16). Summing each product
-  // on its own took most of a step's attention time: a horizontal sum is a
-  // chain of shuffles, and one per head per key added up to ~50 cycles a key.
+  // Pass 1, kLanes keys at a time: widen their rows once, then for each head
+  // form the kLanes products q . k as vectors of partial sums and fold them
+  // into one vector holding the kLanes scores (sum_lanes). Summing each
+  // product on its own took most of a step's attention time: a horizontal sum
+  // is a chain of shuffles, and one per head per key added up to ~50 cycles a key.
   FloatVec max_vec[NH];
   for (int h = 0; h < NH; ++h) max_vec[h] = FloatVec{} - INFINITY;
-  for_each_group_of_16(keys, kDim, [&](int64_t first, const T* const* rows, int n) {
-    FloatVec kv[16][VECS];
-    for (int r = 0; r < 16; ++r)
+  for_each_lane_group(keys, kDim, [&](int64_t first, const T* const* rows, int n) {
+    FloatVec kv[kLanes][VECS];
+    for (int r = 0; r < kLanes; ++r)
       for (int j = 0; j < VECS; ++j) kv[r][j] = r < n ? load_vec(rows[r] + j * kLanes) : FloatVec{};
     for (int h = 0; h < NH; ++h) {
-      FloatVec prod[16];
-      for (int r = 0; r < 16; ++r) {
+      FloatVec prod[kLanes];
+      for (int r = 0; r < kLanes; ++r) {
         prod[r] = qv[h][0] * kv[r][0];
         for (int j = 1; j < VECS; ++j) prod[r] += qv[h][j] * kv[r][j];
       }
-      const FloatVec s = sum_lanes_of_16(prod) * scale;  // lane r: key first + r
+      const FloatVec s = sum_lanes(prod) * scale;  // lane r: key first + r
       std::memcpy(scores + h * len + first, &s, n * sizeof(float));
       max_vec[h] = max_first_lanes(max_vec[h], s, n);
     }
@@ -137,10 +137,24 @@ void attend_one_head(T* out, const T* q, const PagedRows<T>& keys, const PagedRo
   for (int64_t d = 0; d < dim; ++d) store_scalar(out + d, acc[d] * inv_sum);
 }
 
+// Up to four heads of VECS vectors each through attend_head_group, the head
+// count a template argument so that each count gets fully unrolled code.
+template <int VECS, typename T>
+void attend_head_chunk(int64_t n, T* out, const T* q, const PagedRows<T>& keys, const PagedRows<T>& values,
+                       float scale, float* scores) {
+  switch (n) {
+    case 4: return attend_head_group<VECS, 4>(out, q, keys, values, scale, scores);
+    case 3: return attend_head_group<VECS, 3>(out, q, keys, values, scale, scores);
+    case 2: return attend_head_group<VECS, 2>(out, q, keys, values, scale, scores);
+    default: return attend_head_group<VECS, 1>(out, q, keys, values, scale, scores);
+  }
+}
+
 // Query heads [first_head, first_head + num_heads) of one request, all reading
 // the same KV head. Picks the register-blocked kernel when head_dim is 64 or
-// 128: up to 16 accumulator vectors (4 heads of 64, or 2 of 128) fit in the
-// 32 registers AVX-512 has, with room for the K/V row and the query.
+// 128: up to half the vector registers hold accumulators (4 heads of 64 or 2
+// of 128 with AVX-512's 32; 1 head with AVX2's 16), the rest the K/V row and
+// the query.
 // scores: >= num_heads * len floats, then head_dim more.
 template <typename T>
 void attend_heads(T* out, const T* q, int64_t head_dim, int64_t num_heads, const PagedRows<T>& keys,
@@ -151,23 +165,14 @@ void attend_heads(T* out, const T* q, int64_t head_dim, int64_t num_heads, const
                       scores + num_heads * keys.len);
     return;
   }
-  const int64_t chunk = head_dim == 64 ? 4 : 2;
+  const int64_t vecs = head_dim / kLanes;
+  const int64_t chunk = std::max<int64_t>(1, kVectorRegisters / 2 / vecs);
   for (int64_t h = 0; h < num_heads; h += chunk) {
-    T* o = out + h * head_dim;
-    const T* qh = q + h * head_dim;
     const int64_t n = std::min(chunk, num_heads - h);
-    if (head_dim == 128) {
-      if (n == 2) attend_head_group<8, 2>(o, qh, keys, values, scale, scores);
-      else attend_head_group<8, 1>(o, qh, keys, values, scale, scores);
-    } else if (n == 4) {
-      attend_head_group<4, 4>(o, qh, keys, values, scale, scores);
-    } else if (n == 3) {
-      attend_head_group<4, 3>(o, qh, keys, values, scale, scores);
-    } else if (n == 2) {
-      attend_head_group<4, 2>(o, qh, keys, values, scale, scores);
-    } else {
-      attend_head_group<4, 1>(o, qh, keys, values, scale, scores);
-    }
+    if (head_dim == 128)
+      attend_head_chunk<128 / kLanes>(n, out + h * head_dim, q + h * head_dim, keys, values, scale, scores);
+    else
+      attend_head_chunk<64 / kLanes>(n, out + h * head_dim, q + h * head_dim, keys, values, scale, scores);
   }
 }
 

@@ -14,7 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_supports", &paged_prefill_supports, "Whether paged_prefill_attention takes this head_dim");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Causal attention of requests first_req.. over a paged KV cache", no_gil);
-  m.def("pack_linear_weight", &pack_linear_weight, "[out, in] -> [ceil(out/32), in, 32] panels", no_gil);
+  m.def("pack_linear_weight", &pack_linear_weight, "[out, in] -> [ceil(out/P), in, P] panels (P = 2 vectors)",
+        no_gil);
   m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) with a weight from pack_linear_weight", no_gil);
   m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16,
         "bf16 [out, in] -> [ceil(out/32), K2/2, 32, 2] pairs of k (K2 = in rounded up to 32)", no_gil);
@@ -23,7 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm_kernels", &bf16_gemm_kernels,
         "The bf16 GEMM kernels this CPU runs, fastest first: 'amx', 'avx512_bf16' (may be empty)");
   m.def("packed_linear_has_wide_vectors", &packed_linear_has_wide_vectors,
-        "Built for AVX-512 (32 vector registers), the register tiling the GEMM assumes");
+        "True in the AVX-512 build (16-lane vectors, 32-column panels); False in the AVX2 and generic "
+        "builds (8 lanes, 16-column panels)");
   m.def("rms_norm", &rms_norm, "out = RMSNorm(input) * weight", no_gil);
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += input; input = RMSNorm(residual) * weight",
         no_gil);

@@ -16,9 +16,10 @@
 // one thing that case needs: it asks for the weight bytes a few KB before it
 // reaches them (software prefetch), so the loads overlap the arithmetic.
 //
-// The weight layout ("packed"): [ceil(N / 32), K, 32]. Panel p holds output
-// columns 32p .. 32p+31, stored k-major, so the kernel walks one panel as a
-// single sequential stream of 128-byte rows: two vectors of 16 floats per k.
+// The weight layout ("packed"): [ceil(N / P), K, P] with P = kPanel, two
+// vectors (32 columns with AVX-512, 16 with AVX2). Panel p holds output
+// columns P*p .. P*p+P-1, stored k-major, so the kernel walks one panel as a
+// single sequential stream of rows: two vectors per k.
 // Columns past N are zero padding. The torch reference is F.linear on the
 // unpacked weight; tests/test_cpu_fast_paths.py compares the two.
 #include "ops.h"
@@ -32,13 +33,12 @@
 
 namespace {
 
-constexpr int64_t kPanel = 32;  // output columns per packed panel: two FloatVecs
-// Rows per register tile: 12 rows x 2 vectors = 24 accumulators, plus two
-// weight vectors and a broadcast row value, fit AVX-512's 32 vector registers.
-constexpr int kTileRows = 12;
+constexpr int64_t kPanel = 2 * kLanes;  // output columns per packed panel: two FloatVecs (32 or 16)
+// Rows per register tile: kTileRows (ops.h), 12 with AVX-512, 6 with AVX2.
 // How far ahead of the current k the weight stream is prefetched, in k steps
-// (48 x 128 bytes = 6 KB): about one DRAM latency's worth of FMAs. Measured on
-// a 2-core EPYC: no prefetch ~330 GFLOP/s at 32 rows, 16 steps ~370, 48 ~420.
+// (48 x 128 bytes = 6 KB with AVX-512, 3 KB with AVX2's narrower panels): about
+// one DRAM latency's worth of FMAs. Measured with AVX-512 on a 2-core EPYC:
+// no prefetch ~330 GFLOP/s at 32 rows, 16 steps ~370, 48 ~420.
 constexpr int64_t kPrefetchSteps = 48;
 // Rows of x per outer block: its rows stay in L2 (<= ~256 KB) while every panel
 // of the weight passes by. A decode batch is a single block.
@@ -59,7 +59,7 @@ void gemm_tile(float* out, int64_t out_stride, const float* x, int64_t x_stride,
     __builtin_prefetch(w + kPrefetchSteps * kPanel + kLanes);
     const FloatVec w0 = load_vec(w), w1 = load_vec(w + kLanes);
     for (int r = 0; r < ROWS; ++r) {
-      const float xr = x[r * x_stride + k];  // broadcast to all 16 lanes
+      const float xr = x[r * x_stride + k];  // broadcast to all lanes
       acc[r][0] += xr * w0;
       acc[r][1] += xr * w1;
     }

@@ -58,18 +58,16 @@ int64_t padded_k(int64_t k) { return (k + kKAlign - 1) / kKAlign * kKAlign; }
 
 // out[r][c] = bf16(acc[r][c] + bias[c]) for the rows x cols that exist.
 // acc: [rows][32] fp32, row stride acc_stride. A full panel (32 columns) is
-// written as two 16-lane vectors per row; a prefill writes millions of
+// written kLanes lanes at a time; a prefill writes millions of
 // outputs per layer, so a scalar loop here costs as much as the tile products.
 void write_rows(BFloat16* out, int64_t out_stride, const float* acc, int64_t acc_stride, int64_t rows,
                 int64_t cols, const BFloat16* bias) {
-  FloatVec bias_vec[2] = {FloatVec{}, FloatVec{}};
-  if (bias != nullptr && cols == kPanel) bias_vec[0] = load_vec(bias), bias_vec[1] = load_vec(bias + kLanes);
   for (int64_t r = 0; r < rows; ++r) {
     const float* a = acc + r * acc_stride;
     BFloat16* o = out + r * out_stride;
     if (cols == kPanel) {
-      store_vec(o, load_vec(a) + bias_vec[0]);
-      store_vec(o + kLanes, load_vec(a + kLanes) + bias_vec[1]);
+      for (int64_t c = 0; c < kPanel; c += kLanes)
+        store_vec(o + c, load_vec(a + c) + (bias != nullptr ? load_vec(bias + c) : FloatVec{}));
       continue;
     }
     for (int64_t c = 0; c < cols; ++c) store_scalar(o + c, a[c] + (bias != nullptr ? to_float(bias[c]) : 0.f));

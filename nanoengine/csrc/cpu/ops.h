@@ -3,7 +3,9 @@
 // Chapter 7. vLLM 0.32 counterpart: csrc/cpu/ (cpu_types.hpp and the *_ops
 // declarations in csrc/ops.h). Python reaches these through
 // nanoengine/_custom_ops.py, which builds attention.cpp, prefill_attention.cpp,
-// gemm.cpp, layers.cpp and bindings.cpp into one extension module.
+// gemm.cpp, gemm_bf16.cpp, layers.cpp and bindings.cpp into one extension
+// module per instruction-set variant (AVX-512, AVX2, generic): the widths and
+// tile sizes below follow the variant's __AVX512F__.
 #pragma once
 
 #include <torch/extension.h>
@@ -47,15 +49,38 @@ void silu_and_mul(torch::Tensor out, torch::Tensor input);
 
 // Shared helpers.
 
-// A float vector of 16 lanes: one AVX-512 register (two AVX2 or four NEON
-// registers elsewhere). GCC/Clang vector extensions keep the kernels portable
+// [anchor: float-vec]
+// A float vector of one register: 16 lanes with AVX-512, 8 with AVX2 (and in
+// the generic variant). GCC/Clang vector extensions keep the kernels portable
 // while making register blocking explicit: a local FloatVec lives in a
 // register, so accumulators never round-trip through memory. aligned(4):
 // tensor rows are only float-aligned, so loads through it are unaligned loads.
-typedef float FloatVec __attribute__((vector_size(64), aligned(4)));
+// The width must be the machine's: an earlier version used 16 lanes
+// everywhere, and GCC lowers a vector twice the register's width on AVX2
+// through the stack, one lane at a time -- its prefill attention then ran at
+// 5 GFLOP/s, 20x slower than the torch reference.
+#ifdef __AVX512F__
 constexpr int kLanes = 16;
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kLanes = 8;
+constexpr int kVectorRegisters = 16;
+#endif
+typedef float FloatVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+// [/anchor: float-vec]
 
 inline FloatVec load_vec(const float* p) { return *reinterpret_cast<const FloatVec*>(p); }
+
+// [anchor: tile-rows]
+// Rows of one register tile in the kernels shaped like a matrix product
+// (gemm.cpp, prefill_attention.cpp): ROWS x 2 FloatVec accumulators, two
+// vectors of the other operand and one broadcast value must all fit the
+// kVectorRegisters registers at once, or the compiler spills accumulators to
+// memory inside the innermost loop and every multiply-add gains a store and
+// a load. AVX-512: 12 x 2 + 2 + 1 = 27 of 32. AVX2: 6 x 2 + 2 + 1 = 15 of 16
+// (the classic 6 x 16 tile of BLAS libraries for AVX2).
+constexpr int kTileRows = kVectorRegisters == 32 ? 12 : 6;
+// [/anchor: tile-rows]
 
 inline void check_float_contiguous(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
@@ -71,8 +96,8 @@ inline void check_float_contiguous(const torch::Tensor& t, const char* name) {
 // arithmetic.
 using BFloat16 = c10::BFloat16;
 
-typedef uint16_t Bf16x16 __attribute__((vector_size(32), aligned(2)));  // 16 bf16 lanes
-typedef uint32_t UIntVec __attribute__((vector_size(64)));               // 16 x 32 bits
+typedef uint16_t Bf16Vec __attribute__((vector_size(kLanes * 2), aligned(2)));  // kLanes bf16 numbers
+typedef uint32_t UIntVec __attribute__((vector_size(kLanes * 4)));               // kLanes x 32 bits
 
 // [anchor: widen-bf16]
 // The portable spelling below is what the kernels mean; with AVX-512, GCC
@@ -80,7 +105,7 @@ typedef uint32_t UIntVec __attribute__((vector_size(64)));               // 16 x
 // instructions per 16 lanes, so there it is spelled with the two intrinsics a
 // 512-bit zero-extend and shift take. The decode kernel widens every cached
 // row it reads: this alone was a fifth of its instructions.
-inline FloatVec widen(Bf16x16 h) {
+inline FloatVec widen(Bf16Vec h) {
 #ifdef __AVX512F__
   __m256i half;
   std::memcpy(&half, &h, sizeof(half));
@@ -97,28 +122,28 @@ inline FloatVec widen(Bf16x16 h) {
 // Adding 0x7FFF, plus 1 when the kept part is odd, carries into bit 16
 // exactly when the dropped half is above (or at, for an odd kept part) 0x8000.
 // With AVX-512 spelled in intrinsics, for the reason given at widen().
-inline Bf16x16 narrow(FloatVec v) {
+inline Bf16Vec narrow(FloatVec v) {
 #ifdef __AVX512F__
   __m512i bits;
   std::memcpy(&bits, &v, sizeof(bits));
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
   const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-  Bf16x16 h;
+  Bf16Vec h;
   std::memcpy(&h, &half, sizeof(h));
   return h;
 #else
   const UIntVec bits = (UIntVec)v;
-  return __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, Bf16x16);
+  return __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, Bf16Vec);
 #endif
 }
 
-// Loads and stores of 16 lanes from either element type, so one kernel
+// Loads and stores of kLanes lanes from either element type, so one kernel
 // template serves fp32 and bf16 tensors.
-inline FloatVec load_vec(const BFloat16* p) { return widen(*reinterpret_cast<const Bf16x16*>(p)); }
+inline FloatVec load_vec(const BFloat16* p) { return widen(*reinterpret_cast<const Bf16Vec*>(p)); }
 inline void store_vec(float* p, FloatVec v) { std::memcpy(p, &v, sizeof(v)); }
 inline void store_vec(BFloat16* p, FloatVec v) {
-  const Bf16x16 h = narrow(v);
+  const Bf16Vec h = narrow(v);
   std::memcpy(p, &h, sizeof(h));
 }
 

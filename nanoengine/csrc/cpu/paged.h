@@ -24,20 +24,26 @@ inline float horizontal_max(FloatVec v) {
 
 // max(acc, v) in lanes 0 .. n-1; lanes from n on keep acc (they hold no key).
 inline FloatVec max_first_lanes(FloatVec acc, FloatVec v, int n) {
-  typedef int32_t Lanes __attribute__((vector_size(64)));
+  typedef int32_t Lanes __attribute__((vector_size(kLanes * 4)));
+#ifdef __AVX512F__
   constexpr Lanes kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+  constexpr Lanes kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
   return (kLaneIndex < n && v > acc) ? v : acc;
 }
 
-// out[r] = v[r][0] + v[r][1] + ... + v[r][15] for r = 0..15: sixteen
-// horizontal sums at once. Each step pairs vectors and halves the lanes every
-// row still spreads over (16 -> 8 -> 4 -> 2 -> 1), with two shuffles and one
-// add per pair: 15 pairs in all, where 16 separate sums take ~8 operations each.
-// [anchor: sum-lanes-of-16]
-inline FloatVec sum_lanes_of_16(const FloatVec (&v)[16]) {
-  typedef int32_t Mask __attribute__((vector_size(64)));
-  // Lanes of (a, b) as one 32-lane list: for each run of `width` lanes that
-  // belongs to one row, `lo` takes its first half and `hi` its second half.
+// out[r] = v[r][0] + v[r][1] + ... + v[r][L-1] for r = 0..L-1 (L = kLanes):
+// L horizontal sums at once. Each step pairs vectors and halves the lanes
+// every row still spreads over (16 -> 8 -> 4 -> 2 -> 1 with AVX-512), with two
+// shuffles and one add per pair: L - 1 pairs in all, where L separate sums
+// take ~log2(L) + 4 operations each.
+// [anchor: sum-lanes]
+inline FloatVec sum_lanes(const FloatVec (&v)[kLanes]) {
+  typedef int32_t Mask __attribute__((vector_size(kLanes * 4)));
+  // Lanes of (a, b) as one list of 2L lanes: for each run of `width` lanes
+  // that belongs to one row, `lo` takes its first half and `hi` its second half.
+#ifdef __AVX512F__
   constexpr Mask kLo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
                            {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
                            {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
@@ -46,15 +52,19 @@ inline FloatVec sum_lanes_of_16(const FloatVec (&v)[16]) {
                            {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
                            {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
                            {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
-  FloatVec level[16];
-  for (int r = 0; r < 16; ++r) level[r] = v[r];
-  for (int step = 0, count = 16; count > 1; ++step, count /= 2)
+#else
+  constexpr Mask kLo[3] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 4, 5, 8, 9, 12, 13}, {0, 2, 4, 6, 8, 10, 12, 14}};
+  constexpr Mask kHi[3] = {{4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 6, 7, 10, 11, 14, 15}, {1, 3, 5, 7, 9, 11, 13, 15}};
+#endif
+  FloatVec level[kLanes];
+  for (int r = 0; r < kLanes; ++r) level[r] = v[r];
+  for (int step = 0, count = kLanes; count > 1; ++step, count /= 2)
     for (int i = 0; i < count / 2; ++i)
       level[i] = __builtin_shuffle(level[2 * i], level[2 * i + 1], kLo[step]) +
                  __builtin_shuffle(level[2 * i], level[2 * i + 1], kHi[step]);
   return level[0];
 }
-// [/anchor: sum-lanes-of-16]
+// [/anchor: sum-lanes]
 
 // p[t] = exp(p[t] - max_score) for t < len; returns their sum (the softmax
 // denominator). Subtracting the max keeps exp from overflowing.
@@ -79,6 +89,13 @@ struct PagedRows {
   const int32_t* blocks;
   int64_t block_size, row_stride, block_stride, len;
 };
+
+// Token t's row: block t / block_size of the table, row t % block_size in it.
+template <typename T>
+inline const T* row_at(const PagedRows<T>& rows, int64_t t) {
+  return rows.base + static_cast<int64_t>(rows.blocks[t / rows.block_size]) * rows.block_stride +
+         (t % rows.block_size) * rows.row_stride;
+}
 
 // The K (or V) half of a paged cache, [num_blocks, block_size, Hkv, D]: the
 // rows of a block must be dense (Hkv * D elements apart), the blocks may lie
@@ -113,17 +130,17 @@ inline void for_each_row(const PagedRows<T>& rows, int64_t width, Visit visit) {
   }
 }
 
-// Calls visit(first, rows, n) for consecutive groups of up to 16 rows:
-// rows[0 .. n-1] point at tokens first .. first+n-1 (n < 16 only at the end).
+// Calls visit(first, rows, n) for consecutive groups of up to kLanes rows:
+// rows[0 .. n-1] point at tokens first .. first+n-1 (n < kLanes only at the end).
 template <typename T, typename Visit>
-inline void for_each_group_of_16(const PagedRows<T>& rows, int64_t width, Visit visit) {
-  const T* group[16];
+inline void for_each_lane_group(const PagedRows<T>& rows, int64_t width, Visit visit) {
+  const T* group[kLanes];
   int n = 0;
   int64_t first = 0;
   for_each_row(rows, width, [&](int64_t t, const T* row) {
     if (n == 0) first = t;
     group[n++] = row;
-    if (n == 16) {
+    if (n == kLanes) {
       visit(first, group, n);
       n = 0;
     }

@@ -2,35 +2,58 @@
 // all of them in one call, over K/V that already sit in the paged cache.
 //
 // Chapter 7 (a prefill step is compute-bound: hundreds of query tokens meet
-// hundreds of keys); chapter 3 explains chunked prefill, chapter 4 the blocks.
+// hundreds of keys; "Long prompts: attention in tiles"); chapter 3 explains
+// chunked prefill, chapter 4 the blocks.
 // vLLM 0.32 counterpart: the prefill half of csrc/cpu/cpu_attn_impl.hpp behind
 // vllm/v1/attention/backends/cpu_attn.py.
 //
 // The torch reference (torch_ref.py, _prefill_one) gathers each request's
-// blocks and calls scaled_dot_product_attention once per request and layer;
-// on the 2-core CPU these notes use, that reached ~50-75 GFLOP/s at prompt
-// lengths of 64-256 tokens. Here attention is done as two small matrix
-// products per tile of query rows, with the same register tiling as gemm.cpp:
-//   S = Q_tile K^T (scores)  ->  softmax per row, causal mask  ->  O = P V.
-// A tile is up to 12 query rows: a few consecutive tokens x the G query heads
-// that share one KV head, so one pass over that head's keys serves them all.
-// The keys of a (request, KV head) are first copied once into a transposed
-// scratch K^T [head_dim, keys]: S's inner loop then loads 32 keys' values of
-// one dimension as two vectors and broadcasts one query value per row.
-// Softmax is two-pass (the whole score row of a tile fits in the scratch), so
-// no running-max rescaling is needed. In bf16, K^T, scores and accumulators
-// are fp32; only the query, the cached rows and the output are bf16.
+// blocks and calls scaled_dot_product_attention once per request and layer.
+// Here attention is done the way flash attention does it, in tiles that are
+// small matrix products with the register tiling of gemm.cpp:
+//
+//   for each block of kKeyBlock keys (K^T and V copied once, as fp32):
+//     for each tile of kTileRows query rows that can see the block:
+//       S = Q_tile K_block^T                  (scores, [rows, keys])
+//       m_new = max(m, rowmax(S))             (running max of each row)
+//       P = exp(S - m_new), masked causally   (this block's softmax numerators)
+//       l = l * exp(m - m_new) + rowsum(P)    (running denominator)
+//       O = O * exp(m - m_new) + P V_block    (running output, fp32)
+//   out = O / l
+//
+// This is the "online softmax": when a later block raises a row's maximum,
+// what was summed so far is rescaled by exp(old max - new max), so no row
+// ever needs all its scores at once. Scratch stays a few blocks in size,
+// whatever the prompt's length, and a key block is read from memory once
+// for all the query rows of a work item instead of once per tile: the first
+// version of this kernel held a tile's whole score row (keys up to 2048) and
+// streamed every key again for every 12 rows, and on a 2,048-token prompt it
+// ran ~7x slower than the reference on an AVX2 CPU.
+//
+// A tile's rows are (token, head) pairs, token-major: a few consecutive tokens
+// x the G query heads that share one KV head, so one pass over that head's
+// keys serves them all. In bf16, K^T, V, scores and accumulators are fp32;
+// only the query, the cached rows and the output are bf16.
 #include "ops.h"
 #include "paged.h"
 
+#include <algorithm>
 #include <array>
+#include <cfloat>
 #include <cstring>
 #include <utility>
 
 namespace {
 
-constexpr int kTileRows = 12;  // 12 rows x 2 vectors = 24 accumulators (gemm.cpp's tiling)
 constexpr int64_t kKeyChunk = 2 * kLanes;  // keys per score tile: two vectors
+// Keys per block: K^T [D, 128] and V [128, D] in fp32 are 32 KB each at
+// D = 64, so both stay in the core's L2 (512 KB or more) while every query
+// tile of the work item passes over them.
+constexpr int64_t kKeyBlock = 128;
+// Query tokens per work item (x G heads = its rows). Long prompts are split
+// so that both cores get work even when a model has few KV heads (SmolLM2
+// has 3: with one item per KV head, one core would do two and the other one).
+constexpr int64_t kQueryBlockTokens = 128;
 
 // s[r][j] = scale * q_r . k_j for j < num_keys (a multiple of kKeyChunk);
 // kt is K^T: dimension d of key j at kt[d * kt_stride + j].
@@ -49,99 +72,146 @@ void score_tile(float* s, int64_t s_stride, const T* const* q_rows, const float*
       }
     }
     for (int r = 0; r < ROWS; ++r) {
-      const FloatVec lo = acc[r][0] * scale, hi = acc[r][1] * scale;
-      std::memcpy(s + r * s_stride + j, &lo, sizeof(lo));
-      std::memcpy(s + r * s_stride + j + kLanes, &hi, sizeof(hi));
+      store_vec(s + r * s_stride + j, acc[r][0] * scale);
+      store_vec(s + r * s_stride + j + kLanes, acc[r][1] * scale);
     }
   }
 }
 
-// out_r = inv_sum[r] * sum_j p[r][j] v_j over the first values.len keys, 32
-// output dimensions at a time (head_dim is a multiple of 32).
-template <int ROWS, typename T>
-void weighted_value_tile(T* const* out_rows, const float* p, int64_t p_stride, const PagedRows<T>& values,
-                         int64_t head_dim, const float* inv_sum) {
+// o_r = rescale[r] * o_r + sum_j p[r][j] v_j over j < num_keys, 32 output
+// dimensions at a time (head_dim is a multiple of 32). o holds the running
+// fp32 outputs [rows, head_dim]; v is the block's values [keys, head_dim].
+template <int ROWS>
+void accumulate_value_tile(float* o, const float* p, int64_t p_stride, const float* v, int64_t num_keys,
+                           int64_t head_dim, const float* rescale) {
   for (int64_t d = 0; d < head_dim; d += kKeyChunk) {
     FloatVec acc[ROWS][2];
-    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = FloatVec{};
-    for_each_row(values, head_dim, [&](int64_t j, const T* v) {
-      const FloatVec v0 = load_vec(v + d), v1 = load_vec(v + d + kLanes);
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r][0] = load_vec(o + r * head_dim + d) * rescale[r];
+      acc[r][1] = load_vec(o + r * head_dim + d + kLanes) * rescale[r];
+    }
+    for (int64_t j = 0; j < num_keys; ++j) {
+      const FloatVec v0 = load_vec(v + j * head_dim + d), v1 = load_vec(v + j * head_dim + d + kLanes);
       for (int r = 0; r < ROWS; ++r) {
         const float w = p[r * p_stride + j];
         acc[r][0] += w * v0;
         acc[r][1] += w * v1;
       }
-    });
+    }
     for (int r = 0; r < ROWS; ++r) {
-      store_vec(out_rows[r] + d, acc[r][0] * inv_sum[r]);
-      store_vec(out_rows[r] + d + kLanes, acc[r][1] * inv_sum[r]);
+      store_vec(o + r * head_dim + d, acc[r][0]);
+      store_vec(o + r * head_dim + d + kLanes, acc[r][1]);
     }
   }
 }
 
-// Both tile kernels for 1 .. kTileRows rows, indexed by rows - 1 (the last
-// tile of a request is usually partial), for element type T.
+// Both tile kernels for 1 .. kTileRows rows, indexed by rows - 1 (a block's
+// first and last tiles are usually partial), for element type T.
 template <typename T>
 struct TileKernels {
   void (*scores)(float*, int64_t, const T* const*, const float*, int64_t, int64_t, int64_t, float);
-  void (*values)(T* const*, const float*, int64_t, const PagedRows<T>&, int64_t, const float*);
+  void (*values)(float*, const float*, int64_t, const float*, int64_t, int64_t, const float*);
 };
 template <typename T, int... Rows>
 constexpr std::array<TileKernels<T>, sizeof...(Rows)> kernels_for(std::integer_sequence<int, Rows...>) {
-  return {TileKernels<T>{&score_tile<Rows + 1, T>, &weighted_value_tile<Rows + 1, T>}...};
+  return {TileKernels<T>{&score_tile<Rows + 1, T>, &accumulate_value_tile<Rows + 1>}...};
 }
 template <typename T>
 constexpr auto kKernels = kernels_for<T>(std::make_integer_sequence<int, kTileRows>{});
 
-// Everything one (request, KV head) work item reads.
+// Everything one work item reads: query tokens first_token .. first_token +
+// num_tokens - 1 of one request, the G query heads of one KV head.
 template <typename T>
 struct PrefillItem {
   const T* query;  // this request's first query row, head 0
   int64_t query_row_stride;  // elements between consecutive tokens' query rows
   T* out;  // this request's first output row (contiguous [q_len, Hq, D])
   int64_t first_head, group, num_heads, head_dim;
-  int64_t q_len, num_context;  // query token i sits at position num_context + i
+  int64_t first_token, num_tokens;
+  int64_t num_context;  // the request's query token i sits at position num_context + i
   PagedRows<T> keys, values;
 };
 
+// Copies keys first .. first + n - 1 into kt (K^T [head_dim, kKeyBlock], the
+// columns from n to the next multiple of kKeyChunk zeroed) and their values into
+// v ([n, head_dim]), both fp32.
 template <typename T>
-void prefill_one_kv_head(const PrefillItem<T>& item, float scale, std::vector<float>& scratch) {
-  const int64_t dim = item.head_dim, seq_len = item.keys.len;
-  const int64_t kt_stride = (seq_len + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
-  // scratch = K^T [dim, kt_stride] followed by the scores [kTileRows, kt_stride].
-  scratch.assign((dim + kTileRows) * kt_stride, 0.f);
+void load_key_block(float* kt, float* v, const PrefillItem<T>& item, int64_t first, int64_t n) {
+  const int64_t dim = item.head_dim, padded = (n + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = row_at(item.keys, first + j);
+    for (int64_t d = 0; d < dim; ++d) kt[d * kKeyBlock + j] = to_float(k[d]);
+    const T* value = row_at(item.values, first + j);
+    for (int64_t d = 0; d < dim; d += kLanes) store_vec(v + j * dim + d, load_vec(value + d));
+  }
+  for (int64_t d = 0; d < dim; ++d) std::fill(kt + d * kKeyBlock + n, kt + d * kKeyBlock + padded, 0.f);
+}
+
+// [anchor: online-softmax]
+// Turns the scores of row r (keys_seen[r] of them visible) into this block's
+// softmax numerators in place, and updates the row's running max and sum;
+// rescale[r] is what the row's output so far must be multiplied by.
+inline void online_softmax(float* scores, int rows, const int64_t* keys_seen, int64_t tile_keys, float* row_max,
+                           float* row_sum, float* rescale) {
+  for (int r = 0; r < rows; ++r) {
+    float* p = scores + r * kKeyBlock;
+    const float new_max = std::max(row_max[r], *std::max_element(p, p + keys_seen[r]));
+    // The first block a row sees has nothing to rescale (its sum is still 0).
+    rescale[r] = row_sum[r] == 0.f ? 0.f : std::exp(row_max[r] - new_max);
+    row_sum[r] = row_sum[r] * rescale[r] + exp_and_sum(p, keys_seen[r], new_max);
+    row_max[r] = new_max;
+    std::fill(p + keys_seen[r], p + tile_keys, 0.f);  // the causal mask: later keys weigh nothing
+  }
+}
+// [/anchor: online-softmax]
+
+template <typename T>
+void prefill_work_item(const PrefillItem<T>& item, float scale, std::vector<float>& scratch) {
+  const int64_t dim = item.head_dim, group = item.group;
+  const int64_t total_rows = item.num_tokens * group;
+  // Row i is (token first_token + i / G, head first_head + i % G) and sees
+  // the keys at positions up to its own: num_context + token + 1 of them.
+  auto keys_visible = [&](int64_t i) { return item.num_context + item.first_token + i / group + 1; };
+  const int64_t last_key = keys_visible(total_rows - 1);
+  // scratch: K^T block | V block | scores [kTileRows, kKeyBlock] | outputs O [rows, D] | max | sum.
+  scratch.resize(2 * dim * kKeyBlock + kTileRows * kKeyBlock + total_rows * (dim + 2));
   float* kt = scratch.data();
-  float* scores = kt + dim * kt_stride;
-  for_each_row(item.keys, dim, [&](int64_t j, const T* k) {
-    for (int64_t d = 0; d < dim; ++d) kt[d * kt_stride + j] = to_float(k[d]);
-  });
-  // Rows are (token, head) pairs, token-major, so a tile's last row has the
-  // furthest causal limit and the tile needs keys up to that limit only.
-  const int64_t total_rows = item.q_len * item.group;
-  for (int64_t first = 0; first < total_rows; first += kTileRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kTileRows, total_rows - first));
-    const T* q_rows[kTileRows];
-    T* out_rows[kTileRows];
-    int64_t visible[kTileRows];  // keys row r may see: its position + 1
-    for (int r = 0; r < rows; ++r) {
-      const int64_t token = (first + r) / item.group, head = item.first_head + (first + r) % item.group;
-      q_rows[r] = item.query + token * item.query_row_stride + head * dim;
-      out_rows[r] = item.out + (token * item.num_heads + head) * dim;
-      visible[r] = item.num_context + token + 1;
+  float* v = kt + dim * kKeyBlock;
+  float* scores = v + dim * kKeyBlock;
+  float* o = scores + kTileRows * kKeyBlock;
+  float* row_max = o + total_rows * dim;
+  float* row_sum = row_max + total_rows;
+  std::fill(o, o + total_rows * dim, 0.f);
+  std::fill(row_max, row_max + total_rows, -FLT_MAX);
+  std::fill(row_sum, row_sum + total_rows, 0.f);
+  for (int64_t first_key = 0; first_key < last_key; first_key += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, last_key - first_key);
+    load_key_block(kt, v, item, first_key, n);
+    // Rows before this one see no key of the block (they end before it).
+    const int64_t first_row = std::max<int64_t>(0, (first_key - item.num_context - item.first_token) * group);
+    for (int64_t first = first_row; first < total_rows; first += kTileRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, total_rows - first));
+      const T* q_rows[kTileRows];
+      int64_t keys_seen[kTileRows];  // of this block; >= 1 for every row from first_row on
+      float rescale[kTileRows];
+      for (int r = 0; r < rows; ++r) {
+        const int64_t token = item.first_token + (first + r) / group, head = item.first_head + (first + r) % group;
+        q_rows[r] = item.query + token * item.query_row_stride + head * dim;
+        keys_seen[r] = std::min(n, keys_visible(first + r) - first_key);
+      }
+      // Rows are token-major, so the tile's last row sees the most keys.
+      const int64_t tile_keys = keys_seen[rows - 1];
+      const int64_t padded_keys = (tile_keys + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
+      kKernels<T>[rows - 1].scores(scores, kKeyBlock, q_rows, kt, kKeyBlock, dim, padded_keys, scale);
+      online_softmax(scores, rows, keys_seen, tile_keys, row_max + first, row_sum + first, rescale);
+      kKernels<T>[rows - 1].values(o + first * dim, scores, kKeyBlock, v, tile_keys, dim, rescale);
     }
-    const int64_t num_keys = visible[rows - 1];
-    const int64_t padded_keys = (num_keys + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
-    kKernels<T>[rows - 1].scores(scores, kt_stride, q_rows, kt, kt_stride, dim, padded_keys, scale);
-    float inv_sum[kTileRows];
-    for (int r = 0; r < rows; ++r) {
-      float* p = scores + r * kt_stride;
-      const float max_score = *std::max_element(p, p + visible[r]);
-      inv_sum[r] = 1.f / exp_and_sum(p, visible[r], max_score);
-      std::fill(p + visible[r], p + num_keys, 0.f);  // the causal mask: later keys weigh nothing
-    }
-    PagedRows<T> values = item.values;
-    values.len = num_keys;
-    kKernels<T>[rows - 1].values(out_rows, scores, kt_stride, values, dim, inv_sum);
+  }
+  for (int64_t i = 0; i < total_rows; ++i) {
+    const int64_t token = item.first_token + i / group, head = item.first_head + i % group;
+    T* out_row = item.out + (token * item.num_heads + head) * dim;
+    const float inv_sum = 1.f / row_sum[i];
+    for (int64_t d = 0; d < dim; d += kLanes) store_vec(out_row + d, load_vec(o + i * dim + d) * inv_sum);
   }
 }
 
@@ -181,24 +251,27 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
     check_paged_cache(value_cache, query.scalar_type(), "value_cache");
     const scalar_t* kc = key_cache.data_ptr<scalar_t>();
     const scalar_t* vc = value_cache.data_ptr<scalar_t>();
-    // Work items: (request, KV head); cost ~ query rows x keys.
+    // Work items: (request, KV head, block of query tokens); cost ~ rows x keys seen.
     std::vector<PrefillItem<scalar_t>> items;
     std::vector<int64_t> cost;
     for (int64_t r = first_req; r < num_reqs; ++r) {
       const int64_t q_len = qsl[r + 1] - qsl[r], seq_len = lens[r];
-      if (q_len <= 0) continue;
       const int32_t* blocks = table + r * block_table.stride(0);
       for (int64_t g = 0; g < num_kv_heads; ++g) {
         const PagedRows<scalar_t> keys{kc + g * head_dim, blocks, block_size, row_stride, block_stride, seq_len};
         const PagedRows<scalar_t> values{vc + g * head_dim, blocks, block_size, row_stride, block_stride, seq_len};
-        items.push_back(PrefillItem<scalar_t>{query.data_ptr<scalar_t>() + qsl[r] * query.stride(0),
-                                              query.stride(0),
-                                              out.data_ptr<scalar_t>() + qsl[r] * num_heads * head_dim, g * group,
-                                              group, num_heads, head_dim, q_len, seq_len - q_len, keys, values});
-        cost.push_back(q_len * seq_len);
+        for (int64_t t = 0; t < q_len; t += kQueryBlockTokens) {
+          const int64_t tokens = std::min(kQueryBlockTokens, q_len - t);
+          items.push_back(PrefillItem<scalar_t>{query.data_ptr<scalar_t>() + qsl[r] * query.stride(0),
+                                                query.stride(0),
+                                                out.data_ptr<scalar_t>() + qsl[r] * num_heads * head_dim,
+                                                g * group, group, num_heads, head_dim, t, tokens,
+                                                seq_len - q_len, keys, values});
+          cost.push_back(tokens * (seq_len - q_len + t + tokens));
+        }
       }
     }
     run_longest_first(cost,
-                      [&](std::vector<float>& scratch, int64_t i) { prefill_one_kv_head(items[i], fscale, scratch); });
+                      [&](std::vector<float>& scratch, int64_t i) { prefill_work_item(items[i], fscale, scratch); });
   });
 }

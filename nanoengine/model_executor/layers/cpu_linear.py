@@ -19,8 +19,9 @@ Two such paths exist (``linear_backend``):
 * ``"cpu"``: nanoengine's own kernels, written for exactly that decode case:
   they prefetch the weight stream ahead of the arithmetic. In fp32
   (``csrc/cpu/gemm.cpp``) ~400 GFLOP/s at 32 rows, ~460 on large products;
-  ``"auto"`` picks it on a CPU with AVX-512, the register file its tiling
-  assumes. In bf16 (``csrc/cpu/gemm_bf16.cpp``) on AMX tiles or AVX-512 BF16
+  ``"auto"`` picks it in the AVX-512 and AVX2 kernel variants, each with a
+  register tile sized for its own register file.
+  In bf16 (``csrc/cpu/gemm_bf16.cpp``) on AMX tiles or AVX-512 BF16
   dot products, whichever the CPU has (AMX first: measured faster, chapter 7);
   ``"auto"`` picks it wherever one of the two exists, and oneDNN elsewhere.
 
@@ -39,11 +40,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoengine._custom_ops import cpu_ops_available, load_cpu_ops
-from nanoengine.platforms.cpu import cpu_bf16_features, warn_slow_bf16_once
+from nanoengine.platforms.cpu import cpu_bf16_features, kernel_isa, warn_slow_bf16_once
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpu")
 # Dtypes oneDNN prepacks on a CPU without special hardware; others use F.linear.
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# The kernel variants whose GEMM tile was sized and measured for their registers
+# (csrc/cpu/ops.h, kTileRows): "auto" picks nanoengine's GEMM on these. Chapter 7's
+# kernel table (scripts/bench_kernels.py) is the evidence: at the 1-64 rows of a
+# decode step it beat oneDNN on both, by up to ~1.5x on AVX2 and ~2x on AVX-512.
+GEMM_TUNED_ISAS = ("avx512", "avx2")
 # oneDNN picks its blocking for this many rows; any row count still works.
 # A decode batch is tens of rows, so a hint in that range suits the hot loop.
 PACK_BATCH_HINT = 32
@@ -88,7 +94,7 @@ def bf16_gemm_kernels() -> tuple[str, ...]:
 
 
 def resolve_linear_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """ "auto" -> "cpu" (AVX-512, fp32), else "onednn" (CPU, fp32/bf16), else "torch"."""
+    """ "auto" -> "cpu" (an AVX-512 or AVX2 kernel variant), else "onednn" (CPU, fp32/bf16), else "torch"."""
     if requested not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {requested!r}.")
     onednn_usable = device.type == "cpu" and onednn_supports(dtype)
@@ -109,7 +115,7 @@ def resolve_linear_backend(requested: str, device: torch.device, dtype: torch.dt
         return requested
     if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_gemm_usable(device, dtype):
         warn_slow_bf16_once()
-    if cpu_gemm_usable(device, dtype) and load_cpu_ops().packed_linear_has_wide_vectors():
+    if cpu_gemm_usable(device, dtype) and kernel_isa() in GEMM_TUNED_ISAS:
         return "cpu"
     return "onednn" if onednn_usable else "torch"
 
