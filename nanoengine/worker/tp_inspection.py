@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from nanoengine.distributed.parallel_state import GroupCoordinator, get_tp_group
+from nanoengine.model_executor.layers.cpu_linear import PackableLinear
 from nanoengine.model_executor.layers.linear import LinearBase
 from nanoengine.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoengine.utils.method_taps import tap
@@ -91,6 +92,15 @@ def _full_shape(module: nn.Module, param_name: str, shape: tuple[int, ...]) -> t
     return shape
 
 
+def _rank_shape(module: nn.Module, param: nn.Parameter) -> tuple[int, ...]:
+    """The parameter's shape on this rank as the checkpoint lays it out: a weight
+    packed for nanoengine's GEMM (panels, [out / P, in, P] in fp32) still reports
+    the [out, in] slice it was packed from."""
+    if isinstance(module, PackableLinear) and module.packed and param is module.weight:
+        return (module.out_features, module.in_features)
+    return tuple(param.shape)
+
+
 def weight_shards(worker: Worker) -> list[WeightShard]:
     """Every parameter of this rank's loaded model (see ``model_weight_shards``)."""
     model = worker.model_runner.model if worker.model_runner is not None else None
@@ -111,7 +121,7 @@ def model_weight_shards(model: nn.Module) -> list[WeightShard]:
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            shape = tuple(param.shape)
+            shape = _rank_shape(module, param)
             full = _full_shape(module, param_name, shape)
             # Padding can make a vocabulary slice times N exceed the vocabulary, so
             # the split dimension is the one whose size differs, not a product.

@@ -156,9 +156,9 @@ def cpu_linear(
 ) -> torch.Tensor:
     """``x @ W^T + b`` with a weight from ``pack_cpu_weight``.
 
-    x [..., in] -> [..., out_features]. fp32: packed [ceil(out / 32), in, 32];
-    bf16: packed [ceil(out / 32), K2 / 2, 32, 2], run on ``bf16_kernel``
-    (default: the first of ``bf16_gemm_kernels()``).
+    x [..., in] -> [..., out_features]. fp32: packed [ceil(out / P), in, P]
+    (P = 32 with AVX-512, 16 with AVX2); bf16: packed [ceil(out / 32), K2 / 2,
+    32, 2], run on ``bf16_kernel`` (default: the first of ``bf16_gemm_kernels()``).
     """
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # [num_rows, in], dense rows
     if packed.dtype == torch.bfloat16:
@@ -182,6 +182,7 @@ class PackableLinear(nn.Module):
     bias: nn.Parameter | None
     backend: str = "torch"  # "torch" (plain weight), "onednn" or "cpu" (packed)
     out_features: int = 0  # set by pack(): a packed weight's shape no longer says it
+    in_features: int = 0  # likewise: the plain weight was [out_features, in_features]
     bf16_kernel: str | None = None  # set by pack() for a bf16 weight on "cpu": "amx" or "avx512_bf16"
 
     @property
@@ -194,7 +195,7 @@ class PackableLinear(nn.Module):
         packed copy of its own, while the embedding keeps the plain matrix for
         its row lookups.
         """
-        self.out_features = int(self.weight.shape[0])
+        self.out_features, self.in_features = (int(size) for size in self.weight.shape)
         weight = self.weight.detach()
         if backend == "onednn":
             self.weight = pack_weight(weight)
