@@ -25,10 +25,9 @@
 // what was summed so far is rescaled by exp(old max - new max), so no row
 // ever needs all its scores at once. Scratch stays a few blocks in size,
 // whatever the prompt's length, and a key block is read from memory once
-// for all the query rows of a work item instead of once per tile: the first
-// version of this kernel held a tile's whole score row (keys up to 2048) and
-// streamed every key again for every 12 rows, and on a 2,048-token prompt it
-// ran ~7x slower than the reference on an AVX2 CPU.
+// for all the query rows of a work item instead of once per tile (the first
+// version of this kernel held a tile's whole score row, up to 2,048 keys, and
+// streamed every key again for every tile of rows).
 //
 // A tile's rows are (token, head) pairs, token-major: a few consecutive tokens
 // x the G query heads that share one KV head, so one pass over that head's
