@@ -6,7 +6,7 @@ refills a slot the moment a request finishes. vLLM 0.32 counterpart:
 ``vllm/benchmarks/throughput.py`` (``vllm bench throughput``), which likewise feeds
 fixed token ids and counts generated tokens per second.
 
-Two workloads of random token ids (fixed seed, so every run sees the same ones):
+Three workloads of random token ids (fixed seed, so every run sees the same ones):
 
 * A -- 32 prompts of 32..256 tokens, each generating exactly 128 tokens;
 * B -- 64 prompts of 32..256 tokens, each generating its own 16..256 tokens;
@@ -25,8 +25,8 @@ in the process an engine runs in.
 
 The report opens with the CPU's model and vector flags, and each system says
 which kernels it ran (nanoengine: its kernel variant and backends; vLLM-CPU:
-``_C``, ``_C_AVX512`` or ``_C_AVX2``, by vLLM's own rule). ``--isa avx2`` caps every system at AVX2, on any x86
-machine: the benchmark starts again with ``isa_cap_environment("avx2")`` in its
+``_C``, ``_C_AVX512`` or ``_C_AVX2``, by vLLM's own rule). ``--isa avx2`` caps
+every system at AVX2, on any x86 machine: the benchmark starts again with ``isa_cap_environment("avx2")`` in its
 environment (nanoengine's AVX2 variant, ATen, oneDNN and MKL capped), and the
 vLLM child reports no AVX-512 to vLLM, which then loads ``_C_AVX2``.
 
@@ -345,7 +345,8 @@ def restart_capped(isa: str) -> None:
 def describe_cpu() -> str:
     """The CPU every figure below was measured on."""
     flags = " ".join(cpu_flags()) or "unknown"
-    return f"CPU: {cpu_model_name()} ({os.cpu_count()} cores); flags: {flags}; ATen {torch.backends.cpu.get_cpu_capability()}"
+    aten = torch.backends.cpu.get_cpu_capability()
+    return f"CPU: {cpu_model_name()} ({os.cpu_count()} cores); flags: {flags}; ATen {aten}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         # Everything in the table plus the raw per-repeat seconds, for plots and comparisons.
         report = {
             "args": vars(args),
+            "cpu": describe_cpu(),  # the figures mean little without the CPU they were measured on
+            "kernels": {system.name: getattr(system, "kernels", "in this process") for system in systems},
             "engine": engine_kwargs,
             "torch": torch.__version__,
             "workloads": {w.name: w.summary() for w in workloads},

@@ -4,13 +4,16 @@
 (``avx512`` or ``avx2`` on x86, ``generic`` elsewhere); ``NANOENGINE_CPU_ISA``
 caps it, so an AVX-512 machine builds and runs the AVX2 variant. The kernels'
 own tests (``test_cpu_fast_paths.py``) run on the widest variant in the main
-test run; on an AVX-512 machine the last test here runs the attention, norm,
+test run; on an AVX-512 machine one test here runs the attention, norm,
 RoPE and GEMM tests again in a process capped at AVX2, so both variants are
-compared with the torch reference on every CI run.
+compared with the torch reference on every CI run. The last test runs the
+kernel benchmark (``scripts/bench_kernels.py --quick``) once, so the script
+chapter 7's tables come from keeps working; it checks the report, not speeds.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -132,3 +135,21 @@ def test_avx2_variant_matches_the_torch_reference() -> None:
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout
+
+
+@pytest.mark.slow
+def test_kernel_benchmark_reports_every_fast_path(tmp_path: Path) -> None:
+    """scripts/bench_kernels.py --quick on this process's variant: every kind of fast path is
+    timed against its reference, and the JSON names the CPU, the variant and the roofline."""
+    out = tmp_path / "kernels.json"
+    command = [sys.executable, str(REPO / "scripts" / "bench_kernels.py"), "--quick", "--isa", kernel_isa(),
+               "--json", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"== kernel variant {kernel_isa()}" in done.stdout and "CPU:" in done.stdout
+    report = json.loads(out.read_text())
+    (variant,) = report["variants"]
+    assert variant["isa"] == kernel_isa() and variant["peak_gflops"] > 0
+    kinds = {row["kind"] for row in variant["rows"]}
+    assert kinds == {"prefill attention", "decode attention", "linear qkv", "linear gate_up", "linear down"}
+    assert all(row["reference"] > 0 and row.get("fast", row.get("cpu", 1.0)) > 0 for row in variant["rows"])
