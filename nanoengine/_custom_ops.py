@@ -30,6 +30,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from nanoengine.platforms.cpu import KERNEL_ISA_FLAGS, cpuinfo_line, kernel_isa
+
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).parent / "csrc" / "cpu"
@@ -50,8 +52,6 @@ _STALE_LOCK_S = 600.0
 
 def compile_flags() -> list[str]:
     """The compiler flags of this process's variant (``NANOENGINE_CPU_ISA`` caps it)."""
-    from nanoengine.platforms.cpu import KERNEL_ISA_FLAGS, kernel_isa
-
     return [*COMMON_FLAGS, *KERNEL_ISA_FLAGS[kernel_isa()]]
 
 
@@ -64,15 +64,11 @@ def _build_fingerprint() -> str:
     copy, say), so each checkout gets its own name.
     """
     text = str(CSRC_DIR) + platform.machine() + platform.processor() + " ".join(compile_flags())
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        text += next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    text += cpuinfo_line("flags") or ""
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
 def _module_name() -> str:
-    from nanoengine.platforms.cpu import kernel_isa
-
     return f"nanoengine_cpu_ops_{kernel_isa()}_{_build_fingerprint()}"
 
 
@@ -118,8 +114,6 @@ def load_cpu_ops() -> Any:
     the grader alike); a cached build loads in about a second, silently.
     """
     from torch.utils.cpp_extension import load
-
-    from nanoengine.platforms.cpu import kernel_isa
 
     _clear_stale_build_lock()
     compiling = needs_compiling()

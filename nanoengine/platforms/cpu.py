@@ -146,26 +146,27 @@ def isa_cap_environment(isa: str) -> dict[str, str]:
     return {CPU_ISA_ENV: isa, **_LIBRARY_CAPS.get(isa, {})}
 
 
-def cpu_flags() -> tuple[str, ...]:
-    """The vector-unit flags of the running CPU (Linux ``/proc/cpuinfo``), for the record of a figure."""
-    interesting = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
-                   "asimd", "sve")
+def cpuinfo_line(*prefixes: str) -> str | None:
+    """What follows the colon on the first ``/proc/cpuinfo`` line starting with one of
+    ``prefixes`` (Linux; None elsewhere, or where no line has them)."""
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists():
-        return ()
+        return None
     for line in cpuinfo.read_text().splitlines():
-        if line.startswith(("flags", "Features")):
-            present = set(line.split(":", 1)[1].split())
-            return tuple(flag for flag in interesting if flag in present)
-    return ()
+        if line.startswith(prefixes):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def cpu_flags() -> tuple[str, ...]:
+    """The vector-unit flags of the running CPU (x86 "flags", ARM "Features"), for the record of a figure."""
+    interesting = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
+                   "asimd", "sve")
+    present = set((cpuinfo_line("flags", "Features") or "").split())
+    return tuple(flag for flag in interesting if flag in present)
 
 
 def cpu_model_name() -> str:
     """The CPU's model name as Linux reports it (else what Python's platform module knows)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    return cpuinfo_line("model name") or platform.processor() or platform.machine()
 # [/anchor: kernel-isa]

@@ -77,8 +77,8 @@ void score_tile(float* s, int64_t s_stride, const T* const* q_rows, const float*
   }
 }
 
-// o_r = rescale[r] * o_r + sum_j p[r][j] v_j over j < num_keys, 32 output
-// dimensions at a time (head_dim is a multiple of 32). o holds the running
+// o_r = rescale[r] * o_r + sum_j p[r][j] v_j over j < num_keys, two vectors of
+// output dimensions at a time (head_dim is a multiple of kKeyChunk). o holds the running
 // fp32 outputs [rows, head_dim]; v is the block's values [keys, head_dim].
 template <int ROWS>
 void accumulate_value_tile(float* o, const float* p, int64_t p_stride, const float* v, int64_t num_keys,
@@ -170,7 +170,9 @@ void prefill_work_item(const PrefillItem<T>& item, float scale, std::vector<floa
   const int64_t total_rows = item.num_tokens * group;
   // Row i is (token first_token + i / G, head first_head + i % G) and sees
   // the keys at positions up to its own: num_context + token + 1 of them.
-  auto keys_visible = [&](int64_t i) { return item.num_context + item.first_token + i / group + 1; };
+  auto token_of = [&](int64_t i) { return item.first_token + i / group; };
+  auto head_of = [&](int64_t i) { return item.first_head + i % group; };
+  auto keys_visible = [&](int64_t i) { return item.num_context + token_of(i) + 1; };
   const int64_t last_key = keys_visible(total_rows - 1);
   // scratch: K^T block | V block | scores [kTileRows, kKeyBlock] | outputs O [rows, D] | max | sum.
   scratch.resize(2 * dim * kKeyBlock + kTileRows * kKeyBlock + total_rows * (dim + 2));
@@ -194,8 +196,7 @@ void prefill_work_item(const PrefillItem<T>& item, float scale, std::vector<floa
       int64_t keys_seen[kTileRows];  // of this block; >= 1 for every row from first_row on
       float rescale[kTileRows];
       for (int r = 0; r < rows; ++r) {
-        const int64_t token = item.first_token + (first + r) / group, head = item.first_head + (first + r) % group;
-        q_rows[r] = item.query + token * item.query_row_stride + head * dim;
+        q_rows[r] = item.query + token_of(first + r) * item.query_row_stride + head_of(first + r) * dim;
         keys_seen[r] = std::min(n, keys_visible(first + r) - first_key);
       }
       // Rows are token-major, so the tile's last row sees the most keys.
@@ -207,8 +208,7 @@ void prefill_work_item(const PrefillItem<T>& item, float scale, std::vector<floa
     }
   }
   for (int64_t i = 0; i < total_rows; ++i) {
-    const int64_t token = item.first_token + i / group, head = item.first_head + i % group;
-    T* out_row = item.out + (token * item.num_heads + head) * dim;
+    T* out_row = item.out + (token_of(i) * item.num_heads + head_of(i)) * dim;
     const float inv_sum = 1.f / row_sum[i];
     for (int64_t d = 0; d < dim; d += kLanes) store_vec(out_row + d, load_vec(o + i * dim + d) * inv_sum);
   }
