@@ -36,7 +36,7 @@ $(STAMP): $(BASE_STAMP)
 	$(PYTHON) -m pip install -q -e ".[dev,docs]"
 	touch $@
 
-# The C++ CPU kernels, compiled now (about two minutes, announced) rather than inside the
+# The C++ CPU kernels, compiled now (about a minute, announced) rather than inside the
 # first LLM(...) or grade; a cached build takes a second. Without a compiler the engine
 # still runs (plain torch), so a failed build only warns here.
 kernels: venv-base

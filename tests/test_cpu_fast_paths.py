@@ -112,12 +112,17 @@ HEAD_GROUPS = [(4, 4), (9, 3), (9, 1)]
 
 
 @over_dtypes
-@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize("head_dim", [64, 128, 36])
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_GROUPS)
 def test_prefill_kernel_tiles_chunks_and_mixed_batches(
     head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
 ) -> None:
-    """64 and 128 take the tiled C++ prefill, 40 (not a multiple of 32) the reference."""
+    """64 and 128 take the tiled C++ prefill; 36 the reference in every variant.
+
+    A variant's score tile is two vectors of keys (32 keys with AVX-512, 16 with
+    AVX2, 8 with 4-lane vectors) and head_dim must be a multiple of it; 36 is
+    a multiple of none.
+    """
     # 23 and 37-token prefills: several 12-row tiles and 32-key score chunks per
     # request; the second step decodes request 1, continues request 0 from a
     # cached context of 23 tokens, and prefills request 2.
@@ -150,7 +155,7 @@ def test_prefill_kernel_online_softmax_across_key_and_query_blocks(
 
 
 @over_dtypes
-@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize("head_dim", [64, 128, 36])
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_GROUPS)
 def test_decode_kernel_specialised_head_sizes(
     head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
@@ -427,10 +432,10 @@ def test_packed_linear_matches_f_linear(backend: str, bias: bool, rows: int, dty
 def test_cpu_gemm_large_products_cross_its_row_blocks() -> None:
     # K = 1536 makes a row block 36 rows with AVX-512, 42 with AVX2 (256 KB of x),
     # so 100 rows take three blocks: the outer loop of packed_linear, not only its
-    # tiles, is exercised. A panel is two vectors: 32 columns (AVX-512) or 16 (AVX2).
+    # tiles, is exercised. A panel is two vectors: 32 columns (AVX-512), 16 (AVX2), 8.
     weight, x = torch.randn(70, 1536), torch.randn(100, 1536)
     packed = load_cpu_ops().pack_linear_weight(weight)
-    panel = 32 if load_cpu_ops().packed_linear_has_wide_vectors() else 16
+    panel = 2 * load_cpu_ops().vector_lanes()
     assert packed.shape == (-(-70 // panel), 1536, panel)
     torch.testing.assert_close(cpu_linear(x, packed, None, 70), x @ weight.t(), atol=1e-3, rtol=1e-5)
     with pytest.raises(RuntimeError, match="must share K"):
@@ -624,13 +629,14 @@ def _vm_flags_of(address: int) -> list[str]:
     """The VmFlags of the mapping that contains ``address`` (/proc/self/smaps)."""
     flags: list[str] = []
     inside = False
-    for line in open("/proc/self/smaps", encoding="ascii"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            flags = line.split()[1:]
+    with open("/proc/self/smaps", encoding="ascii") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
     return flags
 
 

@@ -93,15 +93,15 @@ def test_avx2_cap_hides_bf16_dot_products_and_caps_torchs_libraries(fresh_isa: p
     not torch.cpu._is_avx512_supported(), reason="the main test run already is the AVX2 variant"
 )
 def test_avx2_variant_matches_the_torch_reference() -> None:
-    """The kernels' tests again, in processes capped at AVX2 (its own build: about two minutes).
+    """The kernels' tests again, in processes capped at AVX2 (its own build: about a minute).
 
     The first child checks that the build it loads is the AVX2 one: compiled
-    without AVX-512 (``packed_linear_has_wide_vectors`` reports ``__AVX512F__``).
+    without AVX-512 (``vector_lanes`` is 8: ops.h sizes vectors by ``__AVX512F__``).
     """
     env = {**os.environ, **isa_cap_environment("avx2")}
     check = (
         "from nanoengine.platforms.cpu import kernel_isa; from nanoengine._custom_ops import load_cpu_ops; "
-        "print(kernel_isa(), load_cpu_ops().packed_linear_has_wide_vectors())"
+        "print(kernel_isa(), load_cpu_ops().vector_lanes())"
     )
     built = subprocess.run(
         [sys.executable, "-c", check],
@@ -113,7 +113,7 @@ def test_avx2_variant_matches_the_torch_reference() -> None:
         timeout=600,
     )
     assert built.returncode == 0, built.stderr[-3000:]
-    assert built.stdout.split() == ["avx2", "False"]
+    assert built.stdout.split() == ["avx2", "8"]
     tests = "attention or prefill or decode or rms_norm or rope or silu or packed_linear or gemm"
     command = [
         sys.executable,

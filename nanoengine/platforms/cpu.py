@@ -84,8 +84,8 @@ def warn_slow_bf16_once() -> None:
 # set from the same sources instead, and picks the widest the CPU has. The
 # sources size their vectors and register tiles from the variant
 # (``csrc/cpu/ops.h``: kLanes, kTileRows): AVX-512 has 32 registers of 16
-# floats, AVX2 16 registers of 8, and code sized for the first runs many
-# times slower on the second (chapter 7 tells how much).
+# floats, AVX2 16 registers of 8 (ARM's NEON 32 of 4), and code sized for the
+# first runs many times slower on the second (chapter 7 tells how much).
 CPU_ISA_ENV = "NANOENGINE_CPU_ISA"
 # Variant -> compiler flags, widest vectors first. "avx512" takes the CPU's own
 # flags (-march=native), so avx512_bf16 and AMX come with it where present;

@@ -30,12 +30,12 @@
 // [num_blocks, block_size, Hkv, D]: block slot / block_size, row slot %
 // block_size. A slot < 0 marks padding: nothing written. The cache has the
 // model's dtype (fp32 or bf16), so a row is copied as bytes.
-void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-                       torch::Tensor value_cache, torch::Tensor slot_mapping) {
+void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
+                       at::Tensor value_cache, at::Tensor slot_mapping) {
   check_paged_cache(key_cache, key_cache.scalar_type(), "key_cache");
   check_paged_cache(value_cache, key_cache.scalar_type(), "value_cache");
   TORCH_CHECK(key_cache.strides() == value_cache.strides(), "key_cache and value_cache must share one layout");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
   const int64_t num_tokens = slot_mapping.size(0);
   const int64_t item = key_cache.element_size();
   const int64_t block_size = key_cache.size(1);
@@ -65,7 +65,8 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
 // head_dim = VECS * kLanes. Pass 1 reads each key row once for all NH heads and
 // keeps one score per head and token; pass 2 reads each value row once and
 // adds it into NH * VECS accumulator registers. Reading the K/V bytes is the
-// cost that matters (they come from DRAM); everything else stays in registers.
+// cost that matters (load_request_blocks has brought them in from DRAM just
+// before); everything else stays in registers.
 // q/out: NH consecutive heads of VECS * kLanes elements. scores: >= NH * len floats.
 // T (float or BFloat16) is the element type of q, out and the cache; the
 // scores, the softmax and the accumulators are fp32 either way.
@@ -84,7 +85,7 @@ void attend_head_group(T* out, const T* q, const PagedRows<T>& keys, const Paged
   // is a chain of shuffles, and one per head per key added up to ~50 cycles a key.
   FloatVec max_vec[NH];
   for (int h = 0; h < NH; ++h) max_vec[h] = FloatVec{} - INFINITY;
-  for_each_lane_group(keys, kDim, [&](int64_t first, const T* const* rows, int n) {
+  for_each_lane_group(keys, [&](int64_t first, const T* const* rows, int n) {
     FloatVec kv[kLanes][VECS];
     for (int r = 0; r < kLanes; ++r)
       for (int j = 0; j < VECS; ++j) kv[r][j] = r < n ? load_vec(rows[r] + j * kLanes) : FloatVec{};
@@ -105,7 +106,7 @@ void attend_head_group(T* out, const T* q, const PagedRows<T>& keys, const Paged
   float inv_sum[NH];
   for (int h = 0; h < NH; ++h) inv_sum[h] = 1.f / exp_and_sum(scores + h * len, len, max_score[h]);
   FloatVec acc[NH][VECS] = {};
-  for_each_row(values, kDim, [&](int64_t t, const T* v) {
+  for_each_row(values, [&](int64_t t, const T* v) {
     FloatVec vv[VECS];
     for (int j = 0; j < VECS; ++j) vv[j] = load_vec(v + j * kLanes);
     for (int h = 0; h < NH; ++h) {
@@ -123,13 +124,13 @@ template <typename T>
 void attend_one_head(T* out, const T* q, const PagedRows<T>& keys, const PagedRows<T>& values, int64_t dim,
                      float scale, float* scores, float* acc) {
   float max_score = -INFINITY;
-  for_each_row(keys, dim, [&](int64_t t, const T* k) {
+  for_each_row(keys, [&](int64_t t, const T* k) {
     scores[t] = dot(q, k, dim) * scale;
     max_score = std::max(max_score, scores[t]);
   });
   const float inv_sum = 1.f / exp_and_sum(scores, keys.len, max_score);
   std::fill(acc, acc + dim, 0.f);
-  for_each_row(values, dim, [&](int64_t t, const T* v) {
+  for_each_row(values, [&](int64_t t, const T* v) {
     const float w = scores[t];
 #pragma omp simd
     for (int64_t d = 0; d < dim; ++d) acc[d] += w * to_float(v[d]);
@@ -181,12 +182,12 @@ void attend_heads(T* out, const T* q, int64_t head_dim, int64_t num_heads, const
 // fp32 or all bf16; block_table
 // [>=B, max_blocks] int32; seq_lens [B] int32 (keys each query sees, its own
 // included).
-void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                            torch::Tensor value_cache, torch::Tensor block_table,
-                            torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
+void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                            at::Tensor value_cache, at::Tensor block_table,
+                            at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
               "block_table must be int32 with contiguous rows");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32, "seq_lens must be int32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt, "seq_lens must be int32");
   dispatch_float_bf16(query.scalar_type(), "paged_decode_attention", [&](auto zero) {
     using scalar_t = decltype(zero);
     check_contiguous_as(out, query.scalar_type(), "out");
@@ -207,10 +208,10 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
     scalar_t* o_all = out.data_ptr<scalar_t>();
     const float fscale = static_cast<float>(scale);
 
-    // One work item = one request, all its heads, KV head by KV head: the G
-    // query heads of a group read only that head's slice of each cached row, and
-    // the slices of the other heads (neighbours in the same rows) are then still
-    // in this core's L2, fetched by the hardware prefetcher along with the first.
+    // One work item = one request: its K and V rows are first read into this
+    // core's caches whole (load_request_blocks), then its heads are computed
+    // KV head by KV head, the G query heads of a group reading that head's
+    // slice of each row.
     const std::vector<int64_t> cost(lens, lens + batch);
     run_longest_first(cost, [&](std::vector<float>& scores, int64_t b) {
       const int64_t len = lens[b];
@@ -221,6 +222,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
       }
       scores.resize(len * group + head_dim);  // longest first: the first item sizes it once
       const int32_t* blocks = table + b * table_stride;
+      load_request_blocks(PagedRows<scalar_t>{kc, blocks, block_size, row_stride, block_stride, len},
+                          PagedRows<scalar_t>{vc, blocks, block_size, row_stride, block_stride, len});
       for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
         const int64_t offset = (b * num_heads + kv_head * group) * head_dim;
         const PagedRows<scalar_t> keys{kc + kv_head * head_dim, blocks, block_size, row_stride, block_stride, len};

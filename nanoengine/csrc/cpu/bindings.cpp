@@ -3,6 +3,8 @@
 // Chapter 7. vLLM 0.32 counterpart: csrc/cpu/torch_bindings.cpp (vLLM registers
 // torch custom ops; a plain pybind11 module is enough here, as nothing is traced
 // or compiled around these calls).
+#include <torch/extension.h>
+
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -23,9 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 x @ W^T (+ bias) with a weight from pack_linear_weight_bf16, on the named kernel", no_gil);
   m.def("bf16_gemm_kernels", &bf16_gemm_kernels,
         "The bf16 GEMM kernels this CPU runs, fastest first: 'amx', 'avx512_bf16' (may be empty)");
-  m.def("packed_linear_has_wide_vectors", &packed_linear_has_wide_vectors,
-        "True in the AVX-512 build (16-lane vectors, 32-column panels); False in the AVX2 and generic "
-        "builds (8 lanes, 16-column panels)");
+  m.def("vector_lanes", [] { return kLanes; },
+        "Floats per vector in this build (ops.h): 16 with AVX-512, 8 with AVX2, 4 with 128-bit vectors; a "
+        "packed_linear panel is two vectors wide");
   m.def("rms_norm", &rms_norm, "out = RMSNorm(input) * weight", no_gil);
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += input; input = RMSNorm(residual) * weight",
         no_gil);

@@ -17,7 +17,7 @@
 // reaches them (software prefetch), so the loads overlap the arithmetic.
 //
 // The weight layout ("packed"): [ceil(N / P), K, P] with P = kPanel, two
-// vectors (32 columns with AVX-512, 16 with AVX2). Panel p holds output
+// vectors (32 columns with AVX-512, 16 with AVX2, 8 with 4-lane vectors). Panel p holds output
 // columns P*p .. P*p+P-1, stored k-major, so the kernel walks one panel as a
 // single sequential stream of rows: two vectors per k.
 // Columns past N are zero padding. The torch reference is F.linear on the
@@ -33,8 +33,8 @@
 
 namespace {
 
-constexpr int64_t kPanel = 2 * kLanes;  // output columns per packed panel: two FloatVecs (32 or 16)
-// Rows per register tile: kTileRows (ops.h), 12 with AVX-512, 6 with AVX2.
+constexpr int64_t kPanel = 2 * kLanes;  // output columns per packed panel: two FloatVecs (32, 16 or 8)
+// Rows per register tile: kTileRows (ops.h), 12 with AVX-512 (or NEON), 6 with AVX2.
 // How far ahead of the current k the weight stream is prefetched, in k steps
 // (48 x 128 bytes = 6 KB with AVX-512, 3 KB with AVX2's narrower panels): about
 // one DRAM latency's worth of FMAs. Measured with AVX-512 on a 2-core EPYC:
@@ -86,16 +86,16 @@ constexpr auto kTiles = tiles_for(std::make_integer_sequence<int, kTileRows>{});
 
 }  // namespace
 
-torch::Tensor pack_linear_weight(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "weight must be a 2-D float32 [out, in]");
+at::Tensor pack_linear_weight(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight must be a 2-D float32 [out, in]");
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
-  auto padded = torch::zeros({panels * kPanel, k}, weight.options());
+  auto padded = at::zeros({panels * kPanel, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
   // [panels * 32, K] -> [panels, 32, K] -> [panels, K, 32]: k-major inside a panel.
   return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
 }
 
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+at::Tensor packed_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                             int64_t out_features) {
   check_float_contiguous(x, "x");
   check_float_contiguous(packed, "packed weight");
@@ -111,7 +111,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
     bias_data = bias->data_ptr<float>();
   }
   const int64_t rows = x.size(0), k_size = x.size(1), panels = packed.size(0);
-  auto out = torch::empty({rows, out_features}, x.options());
+  auto out = at::empty({rows, out_features}, x.options());
   const float* x_data = x.data_ptr<float>();
   const float* w_data = packed.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
@@ -134,10 +134,3 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
   return out;
 }
 
-bool packed_linear_has_wide_vectors() {
-#ifdef __AVX512F__
-  return true;
-#else
-  return false;
-#endif
-}

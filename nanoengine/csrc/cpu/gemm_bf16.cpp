@@ -283,11 +283,11 @@ void run_amx(const Problem& pb) {
 
 }  // namespace
 
-torch::Tensor pack_linear_weight_bf16(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16,
+at::Tensor pack_linear_weight_bf16(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
               "weight must be a 2-D bfloat16 [out, in]");
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel, k2 = padded_k(k);
-  auto padded = torch::zeros({panels * kPanel, k2}, weight.options());
+  auto padded = at::zeros({panels * kPanel, k2}, weight.options());
   padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
   // [panels * 32, K2] -> [panels, 32, K2 / 2, 2] -> [panels, K2 / 2, 32, 2]: pairs of k, column-interleaved.
   return padded.view({panels, kPanel, k2 / 2, 2}).permute({0, 2, 1, 3}).contiguous();
@@ -304,10 +304,10 @@ std::vector<std::string> bf16_gemm_kernels() {
   return kernels;
 }
 
-torch::Tensor packed_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+at::Tensor packed_linear_bf16(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                                  int64_t out_features, const std::string& kernel) {
-  check_contiguous_as(x, torch::kBFloat16, "x");
-  check_contiguous_as(packed, torch::kBFloat16, "packed weight");
+  check_contiguous_as(x, at::kBFloat16, "x");
+  check_contiguous_as(packed, at::kBFloat16, "packed weight");
   const int64_t rows = x.size(0), k = x.size(1), k2 = padded_k(k);
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(2) == kPanel && packed.size(1) * 2 == k2,
               "x [rows, K] and a packed weight [panels, K2/2, 32, 2] (K2 = K rounded up to ", kKAlign,
@@ -316,13 +316,13 @@ torch::Tensor packed_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::opt
               "out_features ", out_features, " does not match ", packed.size(0), " panels of ", kPanel);
   const BFloat16* bias_data = nullptr;
   if (bias.has_value()) {
-    check_contiguous_as(*bias, torch::kBFloat16, "bias");
+    check_contiguous_as(*bias, at::kBFloat16, "bias");
     TORCH_CHECK(bias->numel() == out_features, "bias must have out_features elements");
     bias_data = bias->data_ptr<BFloat16>();
   }
   // Both kernels read x in steps of 32 values of k: pad K with zeros if needed.
-  const torch::Tensor x_k2 = k2 == k ? x : torch::constant_pad_nd(x, {0, k2 - k});
-  auto out = torch::empty({rows, out_features}, x.options());
+  const at::Tensor x_k2 = k2 == k ? x : at::constant_pad_nd(x, {0, k2 - k});
+  auto out = at::empty({rows, out_features}, x.options());
   const Problem pb{x_k2.data_ptr<BFloat16>(), k2, packed.data_ptr<BFloat16>(), k2 / 2, rows,
                    out_features, bias_data, out.data_ptr<BFloat16>()};
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)

@@ -31,7 +31,7 @@ struct RowView {
 };
 
 template <typename T>
-RowView<T> rows_of(torch::Tensor t, const char* name) {
+RowView<T> rows_of(at::Tensor t, const char* name) {
   TORCH_CHECK(t.scalar_type() == c10::CppTypeToScalarType<T>::value, name, " must be ",
               c10::CppTypeToScalarType<T>::value, ", got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with a dense last dimension");
@@ -50,7 +50,7 @@ inline void rms_norm_row(T* out, const T* x, const T* weight, int64_t width, flo
 
 }  // namespace
 
-void rms_norm(torch::Tensor out, torch::Tensor input, torch::Tensor weight, double eps) {
+void rms_norm(at::Tensor out, at::Tensor input, at::Tensor weight, double eps) {
   dispatch_float_bf16(input.scalar_type(), "rms_norm", [&](auto zero) {
     using scalar_t = decltype(zero);
     const auto x = rows_of<scalar_t>(input, "input"), y = rows_of<scalar_t>(out, "out");
@@ -66,7 +66,7 @@ void rms_norm(torch::Tensor out, torch::Tensor input, torch::Tensor weight, doub
 // vLLM's fused op: the layer hands its residual stream to the next norm. In
 // bf16 the new residual is rounded before it is normalised, as the reference
 // (which adds two bf16 tensors) rounds it.
-void fused_add_rms_norm(torch::Tensor input, torch::Tensor residual, torch::Tensor weight, double eps) {
+void fused_add_rms_norm(at::Tensor input, at::Tensor residual, at::Tensor weight, double eps) {
   dispatch_float_bf16(input.scalar_type(), "fused_add_rms_norm", [&](auto zero) {
     using scalar_t = decltype(zero);
     const auto x = rows_of<scalar_t>(input, "input"), res = rows_of<scalar_t>(residual, "residual");
@@ -87,10 +87,10 @@ void fused_add_rms_norm(torch::Tensor input, torch::Tensor residual, torch::Tens
 // Rotate-half RoPE, in place. query [T, Hq * D] and key [T, Hkv * D] (dense
 // rows, possibly strided); cos_sin_cache [max_positions, D] fp32: cos of the
 // D/2 angles, then their sin; positions [T] int64.
-void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key,
-                      torch::Tensor cos_sin_cache, int64_t head_dim) {
+void rotary_embedding(at::Tensor positions, at::Tensor query, at::Tensor key,
+                      at::Tensor cos_sin_cache, int64_t head_dim) {
   check_float_contiguous(cos_sin_cache, "cos_sin_cache");
-  TORCH_CHECK(positions.scalar_type() == torch::kInt64, "positions must be int64");
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64");
   const int64_t half = head_dim / 2, max_positions = cos_sin_cache.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* table = cos_sin_cache.data_ptr<float>();
@@ -122,7 +122,7 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
 }
 
 // out [T, d] = silu(input[:, :d]) * input[:, d:], silu(a) = a / (1 + e^-a).
-void silu_and_mul(torch::Tensor out, torch::Tensor input) {
+void silu_and_mul(at::Tensor out, at::Tensor input) {
   dispatch_float_bf16(input.scalar_type(), "silu_and_mul", [&](auto zero) {
     using scalar_t = decltype(zero);
     const auto x = rows_of<scalar_t>(input, "input"), y = rows_of<scalar_t>(out, "out");

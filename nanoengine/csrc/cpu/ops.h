@@ -8,7 +8,17 @@
 // tile sizes below follow the variant's __AVX512F__.
 #pragma once
 
-#include <torch/extension.h>
+// ATen's tensor type and the three tensor functions the kernels call, not
+// <torch/extension.h>: that header (all of libtorch's C++ API and Python
+// bindings) took ~30 s to compile per file, most of a variant's build.
+// bindings.cpp alone includes it, for pybind11's conversions of at::Tensor.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Optional.h>
+
 
 #include <cstring>
 #include <string>
@@ -18,40 +28,40 @@
 #endif
 
 // Paged attention (attention.cpp).
-void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-                       torch::Tensor value_cache, torch::Tensor slot_mapping);
-void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                            torch::Tensor value_cache, torch::Tensor block_table,
-                            torch::Tensor seq_lens, double scale);
+void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
+                       at::Tensor value_cache, at::Tensor slot_mapping);
+void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                            at::Tensor value_cache, at::Tensor block_table,
+                            at::Tensor seq_lens, double scale);
 // Causal attention of a step's prefill requests (prefill_attention.cpp).
 bool paged_prefill_supports(int64_t head_dim);
-void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                             torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
-                             torch::Tensor seq_lens, int64_t first_req, double scale);
+void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                             at::Tensor value_cache, at::Tensor block_table, at::Tensor query_start_loc,
+                             at::Tensor seq_lens, int64_t first_req, double scale);
 
 // Linear layers (gemm.cpp, and gemm_bf16.cpp for bf16 weights): pack a
 // [out, in] weight once, then multiply by it.
-torch::Tensor pack_linear_weight(torch::Tensor weight);
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+at::Tensor pack_linear_weight(at::Tensor weight);
+at::Tensor packed_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                             int64_t out_features);
-bool packed_linear_has_wide_vectors();
-torch::Tensor pack_linear_weight_bf16(torch::Tensor weight);
-torch::Tensor packed_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+at::Tensor pack_linear_weight_bf16(at::Tensor weight);
+at::Tensor packed_linear_bf16(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                                  int64_t out_features, const std::string& kernel);
 std::vector<std::string> bf16_gemm_kernels();
 
 // Decoder-layer pieces (layers.cpp).
-void rms_norm(torch::Tensor out, torch::Tensor input, torch::Tensor weight, double eps);
-void fused_add_rms_norm(torch::Tensor input, torch::Tensor residual, torch::Tensor weight, double eps);
-void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key,
-                      torch::Tensor cos_sin_cache, int64_t head_dim);
-void silu_and_mul(torch::Tensor out, torch::Tensor input);
+void rms_norm(at::Tensor out, at::Tensor input, at::Tensor weight, double eps);
+void fused_add_rms_norm(at::Tensor input, at::Tensor residual, at::Tensor weight, double eps);
+void rotary_embedding(at::Tensor positions, at::Tensor query, at::Tensor key,
+                      at::Tensor cos_sin_cache, int64_t head_dim);
+void silu_and_mul(at::Tensor out, at::Tensor input);
 
 // Shared helpers.
 
 // [anchor: float-vec]
-// A float vector of one register: 16 lanes with AVX-512, 8 with AVX2 (and in
-// the generic variant). GCC/Clang vector extensions keep the kernels portable
+// A float vector of one register: 16 lanes with AVX-512, 8 with AVX2 (or
+// AVX), 4 on a CPU whose registers hold 128 bits (ARM's NEON, x86 without
+// AVX: the generic variant there). GCC/Clang vector extensions keep the kernels portable
 // while making register blocking explicit: a local FloatVec lives in a
 // register, so accumulators never round-trip through memory. aligned(4):
 // tensor rows are only float-aligned, so loads through it are unaligned loads.
@@ -59,11 +69,17 @@ void silu_and_mul(torch::Tensor out, torch::Tensor input);
 // everywhere, and GCC lowers a vector twice the register's width on AVX2
 // through the stack, one lane at a time -- its prefill attention then ran at
 // 5 GFLOP/s, 20x slower than the torch reference.
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
 constexpr int kVectorRegisters = 32;
-#else
+#elif defined(__AVX__)
 constexpr int kLanes = 8;
+constexpr int kVectorRegisters = 16;
+#elif defined(__aarch64__)
+constexpr int kLanes = 4;
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kLanes = 4;
 constexpr int kVectorRegisters = 16;
 #endif
 typedef float FloatVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
@@ -77,13 +93,13 @@ inline FloatVec load_vec(const float* p) { return *reinterpret_cast<const FloatV
 // vectors of the other operand and one broadcast value must all fit the
 // kVectorRegisters registers at once, or the compiler spills accumulators to
 // memory inside the innermost loop and every multiply-add gains a store and
-// a load. AVX-512: 12 x 2 + 2 + 1 = 27 of 32. AVX2: 6 x 2 + 2 + 1 = 15 of 16
-// (the classic 6 x 16 tile of BLAS libraries for AVX2).
+// a load. AVX-512 (and NEON): 12 x 2 + 2 + 1 = 27 of 32. AVX2: 6 x 2 + 2 + 1
+// = 15 of 16 (the classic 6 x 16 tile of BLAS libraries for AVX2).
 constexpr int kTileRows = kVectorRegisters == 32 ? 12 : 6;
 // [/anchor: tile-rows]
 
-inline void check_float_contiguous(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
+inline void check_float_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
@@ -174,14 +190,14 @@ inline float dot(const T* a, const T* b, int64_t n) {
 // body(scalar_t{}) with scalar_t = float or BFloat16; the body is a generic
 // lambda that names the type as `using scalar_t = decltype(zero);`.
 template <typename Body>
-auto dispatch_float_bf16(torch::ScalarType type, const char* name, Body body) {
-  if (type == torch::kFloat32) return body(float{});
-  TORCH_CHECK(type == torch::kBFloat16, name, ": float32 or bfloat16 expected, got ", type);
+auto dispatch_float_bf16(at::ScalarType type, const char* name, Body body) {
+  if (type == at::kFloat) return body(float{});
+  TORCH_CHECK(type == at::kBFloat16, name, ": float32 or bfloat16 expected, got ", type);
   return body(BFloat16{});
 }
 
 // A contiguous tensor of the dispatched element type (float or BFloat16).
-inline void check_contiguous_as(const torch::Tensor& t, torch::ScalarType type, const char* name) {
+inline void check_contiguous_as(const at::Tensor& t, at::ScalarType type, const char* name) {
   TORCH_CHECK(t.scalar_type() == type, name, " must be ", type, ", got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }

@@ -223,14 +223,14 @@ bool paged_prefill_supports(int64_t head_dim) { return head_dim > 0 && head_dim 
 // query_start_loc[r+1]; seq_lens[r] counts their keys, this step's included
 // (already written to the cache). Rows of other requests are not touched.
 // query, out and the caches are all fp32 or all bf16.
-void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                             torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
-                             torch::Tensor seq_lens, int64_t first_req, double scale) {
+void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                             at::Tensor value_cache, at::Tensor block_table, at::Tensor query_start_loc,
+                             at::Tensor seq_lens, int64_t first_req, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [tokens, heads, head_dim] with dense heads");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
               "block_table must be int32 with contiguous rows");
-  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "query_start_loc and seq_lens must be int32");
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   TORCH_CHECK(paged_prefill_supports(head_dim), "head_dim must be a multiple of ", kKeyChunk, ", got ", head_dim);

@@ -157,7 +157,7 @@ def cpu_linear(
     """``x @ W^T + b`` with a weight from ``pack_cpu_weight``.
 
     x [..., in] -> [..., out_features]. fp32: packed [ceil(out / P), in, P]
-    (P = 32 with AVX-512, 16 with AVX2); bf16: packed [ceil(out / 32), K2 / 2,
+    (P = 32 with AVX-512, 16 with AVX2, 8 with 4-lane vectors); bf16: packed [ceil(out / 32), K2 / 2,
     32, 2], run on ``bf16_kernel`` (default: the first of ``bf16_gemm_kernels()``).
     """
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # [num_rows, in], dense rows
