@@ -4,7 +4,7 @@ Chapter 1 (quickstart) passes them to ``LLM.generate``; the renderer
 (renderers/hf.py, chapter 5) turns each into token ids. They live here so that
 a vLLM script's ``from vllm.inputs import TokensPrompt`` becomes
 ``from nanoengine.inputs import TokensPrompt``.
-vLLM 0.32 counterpart: ``vllm/inputs/data.py`` (``TextPrompt``, ``TokensPrompt``,
+vLLM 0.32 counterpart: ``vllm/inputs/llm.py`` (``TextPrompt``, ``TokensPrompt``,
 ``PromptType``), exported by ``vllm/inputs/__init__.py``.
 """
 

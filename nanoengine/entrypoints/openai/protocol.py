@@ -12,9 +12,11 @@ Besides OpenAI's fields, vLLM's extras are accepted with vLLM's names
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``skip_special_tokens``, ``include_stop_str_in_output``, ``priority``).
 
-vLLM 0.32 counterpart: ``vllm/entrypoints/openai/protocol.py``
-(``CompletionRequest``, ``ChatCompletionRequest``, ``ErrorResponse`` and the
-response and stream-chunk models).
+vLLM 0.32 counterpart: ``vllm/entrypoints/openai/completion/protocol.py``
+(``CompletionRequest`` and its response and stream-chunk models),
+``vllm/entrypoints/openai/chat_completion/protocol.py``
+(``ChatCompletionRequest`` and its) and
+``vllm/entrypoints/serve/engine/protocol.py`` (``ErrorResponse``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Chapter 7 (the forward pass of a hybrid model); chapter 6 (``load_weights``).
 vLLM 0.32 counterpart: ``vllm/model_executor/models/qwen3_5.py``
 (``Qwen3_5DecoderLayer``, ``Qwen3_5Model``, ``Qwen3_5ForCausalLM``), built on
 ``qwen3_next.py`` (``Qwen3NextAttention``) and
-``layers/mamba/gdn_linear_attn.py`` (``GatedDeltaNetAttention``, here
+``layers/mamba/gdn/qwen_gdn_linear_attn.py`` (``QwenGatedDeltaNetAttention``
+on ``GatedDeltaNetAttention`` of ``layers/mamba/gdn/base.py``; here
 ``layers/mamba/gdn.py``).
 
 The decoder is Llama's pre-norm block (``llama.py``) with its token mixer

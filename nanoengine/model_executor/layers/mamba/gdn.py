@@ -3,9 +3,11 @@
 Chapter 7 (the forward pass; a hybrid model's second kind of layer); the
 notes' chapter 5 meets these layers in the coordinator, where their state is
 a fixed-size block per request rather than a growing list of KV blocks.
-vLLM 0.32 counterpart: ``vllm/model_executor/layers/mamba/gdn_linear_attn.py``
-(``GatedDeltaNetAttention``; later versions move its base to
-``mamba/gdn/base.py``), with ``RMSNormGated`` from ``layers/layernorm.py``.
+vLLM 0.32 counterpart: ``vllm/model_executor/layers/mamba/gdn/base.py``
+(``GatedDeltaNetAttention``) and its Qwen subclass in
+``vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py``
+(``QwenGatedDeltaNetAttention``), with ``RMSNormGated`` from
+``layers/layernorm.py``.
 
 Where an attention layer keeps every past token's K and V, this layer keeps
 two fixed-size tensors per request, whatever its length:

@@ -4,8 +4,9 @@ Chapter 7 (the forward pass of a hybrid model: the layers that keep a state
 instead of a KV cache). vLLM 0.32 counterparts:
 ``vllm/model_executor/layers/mamba/ops/causal_conv1d.py`` (``causal_conv1d_fn``,
 ``causal_conv1d_update``) and the FLA kernels under
-``vllm/model_executor/layers/fla/ops/`` (``chunk_gated_delta_rule``,
-``fused_recurrent_gated_delta_rule``), which are Triton; these are the same
+``vllm/third_party/flash_linear_attention/ops/`` (``chunk_gated_delta_rule``
+in ``chunk.py``, ``fused_recurrent_gated_delta_rule`` in
+``fused_recurrent.py``), which are Triton; these are the same
 arithmetic written to be read.
 
 Each operator comes twice, because prefill and decode want different shapes:
