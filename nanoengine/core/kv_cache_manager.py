@@ -60,10 +60,6 @@ class PrefixCacheStats:
         self.queries += num_tokens
         self.hits += num_hits
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 class KVCacheManager(TreeNode):
     """Slots for the scheduler's requests, with automatic prefix caching."""

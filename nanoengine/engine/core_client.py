@@ -351,15 +351,13 @@ class SyncMPClient(MPClient):
 class AsyncMPClient(SyncMPClient):
     """The multi-process client of ``AsyncLLM`` (chapter 8): the same calls, awaitable.
 
-    Sending never blocks (ZMQ queues the message), so the async versions of
-    ``add_request`` and ``abort_requests`` just send. Waiting for outputs runs
+    Sending never blocks (ZMQ queues the message), so ``AsyncLLM`` sends
+    requests with the plain ``add_request``; ``abort_requests_async`` (vLLM's
+    name, which exercise 8.2's page offers) just sends too. Waiting for outputs runs
     the blocking wait in the event loop's default thread pool, so the loop
     keeps serving other requests meanwhile. (vLLM reads the socket with
     ``zmq.asyncio`` in a task instead; the effect is the same.)
     """
-
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        self.add_request(request)
 
     async def abort_requests_async(self, request_ids: Iterable[str]) -> None:
         self.abort_requests(request_ids)
