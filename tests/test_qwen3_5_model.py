@@ -121,7 +121,7 @@ class Engine:
         # NaN in every slot: a request starting from zero must never read its slot.
         states = []
         for layer in (m for m in model.modules() if isinstance(m, GatedDeltaNetAttention)):
-            conv_shape, ssm_shape = layer.get_state_shapes()
+            conv_shape, ssm_shape = layer.get_state_shape()
             nan = float("nan")
             states.append(
                 (
@@ -374,7 +374,7 @@ def test_state_shapes_and_binding() -> None:
     assert [layer.layer_type for layer in model.model.layers] == LAYER_PATTERNS["FLFL"]
     assert len(gdn) == 2 and len([m for m in model.modules() if isinstance(m, Attention)]) == 2
     # conv over q, k and v: 2 * 2 * 16 + 4 * 16 channels, kernel 4 -> 3 columns kept
-    assert gdn[0].get_state_shapes() == ((128, 3), (4, 16, 16))
+    assert gdn[0].get_state_shape() == ((128, 3), (4, 16, 16))
     states = [(torch.zeros(3, 128, 3), torch.zeros(3, 4, 16, 16)) for _ in gdn]
     bind_mamba_state(model, states, state_groups=[0, 1])
     assert gdn[1].conv_state is states[1][0] and gdn[1].state_group == 1

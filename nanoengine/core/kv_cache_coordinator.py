@@ -75,12 +75,16 @@ class KVCacheCoordinator(TreeNode, ABC):
         )
     # END EXERCISE 4.4
 
-    def save_new_computed_blocks(
+    def allocate_new_computed_blocks(
         self, request_id: str, new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]
     ) -> None:
-        """Adopt each group's prefix-cache hits as the start of its block table."""
+        """Adopt each group's prefix-cache hits as the start of its block table.
+
+        vLLM 0.32's takes the local and external computed-token counts too: a
+        KV connector may bring in more tokens than the local cache hit.
+        """
         for manager, hit_blocks in zip(self.single_type_managers, new_computed_blocks, strict=True):
-            manager.save_new_computed_blocks(request_id, hit_blocks)
+            manager.add_local_computed_blocks(request_id, hit_blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         """Grow every group's table to hold ``num_tokens`` tokens; the new blocks per group."""

@@ -169,7 +169,7 @@ class KVCacheManager(TreeNode):
 
         # 2. Claim the cache hits first, so evicting for the new blocks cannot
         #    pick one of them (claimed blocks leave the free queue).
-        self.coordinator.save_new_computed_blocks(request.request_id, hit_blocks)
+        self.coordinator.allocate_new_computed_blocks(request.request_id, hit_blocks)
         new_blocks = self.coordinator.allocate_new_blocks(request.request_id, num_tokens_need_slot)
 
         # 3. Register blocks that will be full once this step has run. They are

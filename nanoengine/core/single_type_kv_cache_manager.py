@@ -77,7 +77,7 @@ class SingleTypeKVCacheManager(TreeNode, ABC):
         num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         return num_new_blocks + num_evictable_hits
 
-    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
         """Adopt prefix-cache hits as the start of the request's block table."""
         if not new_computed_blocks:
             return

@@ -9,7 +9,7 @@ layer for its own spec (``get_kv_cache_spec`` on the layer classes).
 
 The spec needs the layers' *shapes*, never their values: the number of K/V
 heads and their size come from the config, a Gated DeltaNet layer's state
-shapes from the layer itself (``get_state_shapes``). So a model built on
+shapes from the layer itself (``get_state_shape``). So a model built on
 PyTorch's ``meta`` device -- tensors with a shape and a dtype and no memory,
 built in a fraction of a second -- answers as well as a loaded one does
 (``meta_model``). The model runner calls ``kv_cache_spec`` on its loaded model;
@@ -74,7 +74,7 @@ def kv_cache_spec(
         if kind == "full_attention":
             specs[index] = one_layer
         else:
-            shapes = next(states).get_state_shapes()
+            shapes = next(states).get_state_shape()
             specs[index] = MambaSpec(shapes, attention.dtype_size, block_size=max_model_len)
     return specs
 

@@ -115,7 +115,7 @@ def private_states(
     """
     states: list[tuple[torch.Tensor, torch.Tensor]] = []
     for layer in state_layers(model):
-        conv_shape, ssm_shape = layer.get_state_shapes()
+        conv_shape, ssm_shape = layer.get_state_shape()
         states.append(
             (
                 torch.zeros((num_slots, *conv_shape), dtype=dtype, device=device),

@@ -10,7 +10,7 @@ from exercise_mutants import Mutant, mutate
 
 # Lines of the references as they stand in their (dedented) source.
 # 4.1 claims the cache hits, then takes new blocks:
-_SAVE_HITS = "self.coordinator.save_new_computed_blocks(request.request_id, hit_blocks)"
+_SAVE_HITS = "self.coordinator.allocate_new_computed_blocks(request.request_id, hit_blocks)"
 _ALLOCATE = "new_blocks = self.coordinator.allocate_new_blocks(request.request_id, num_tokens_need_slot)"
 # The guard clauses of 4.1 and 4.3, whole, so a mutant can drop one.
 _VALUE_ERROR = (

@@ -138,13 +138,13 @@ class GatedDeltaNetAttention(nn.Module):
 
         # Plain attributes, like Attention.kv_cache: shared engine memory, not
         # model state (no state_dict entry, not moved by model.to). Bound by
-        # bind_mamba_state to [num_slots, *shape] for the shapes of get_state_shapes.
+        # bind_mamba_state to [num_slots, *shape] for the shapes of get_state_shape.
         self.conv_state: torch.Tensor = torch.empty(0)
         self.ssm_state: torch.Tensor = torch.empty(0)
         # Which row of attn_metadata.state_indices names this layer's slots.
         self.state_group = 0
 
-    def get_state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def get_state_shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per-slot shapes: conv state (conv_dim, K - 1), ssm state (Hv, Dk, Dv)."""
         return (
             (self.conv_dim, self.conv_kernel_size - 1),
@@ -264,7 +264,7 @@ def bind_mamba_state(
 
     The counterpart of ``bind_kv_cache``, which binds the full-attention
     layers of the same model. ``states[j]`` is ([num_slots, conv_dim, K - 1],
-    [num_slots, Hv, Dk, Dv]) for the j-th such layer (see ``get_state_shapes``);
+    [num_slots, Hv, Dk, Dv]) for the j-th such layer (see ``get_state_shape``);
     ``state_groups[j]``, if given, is the row of ``state_indices`` it reads.
     """
     layers = [m for m in model.modules() if isinstance(m, GatedDeltaNetAttention)]
@@ -275,7 +275,7 @@ def bind_mamba_state(
     if state_groups is not None and len(state_groups) != len(layers):
         raise ValueError(f"state_groups has {len(state_groups)} entries for {len(layers)} layers.")
     for j, (layer, (conv_state, ssm_state)) in enumerate(zip(layers, states)):
-        conv_shape, ssm_shape = layer.get_state_shapes()
+        conv_shape, ssm_shape = layer.get_state_shape()
         if tuple(conv_state.shape[1:]) != conv_shape or tuple(ssm_state.shape[1:]) != ssm_shape:
             raise ValueError(
                 f"Gated DeltaNet layer {j} wants states [num_slots, {conv_shape}] and "
