@@ -96,7 +96,7 @@ at::Tensor pack_linear_weight(at::Tensor weight) {
 }
 
 at::Tensor packed_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
-                            int64_t out_features) {
+                         int64_t out_features) {
   check_float_contiguous(x, "x");
   check_float_contiguous(packed, "packed weight");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1),

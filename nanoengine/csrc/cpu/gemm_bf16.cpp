@@ -305,7 +305,7 @@ std::vector<std::string> bf16_gemm_kernels() {
 }
 
 at::Tensor packed_linear_bf16(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
-                                 int64_t out_features, const std::string& kernel) {
+                              int64_t out_features, const std::string& kernel) {
   check_contiguous_as(x, at::kBFloat16, "x");
   check_contiguous_as(packed, at::kBFloat16, "packed weight");
   const int64_t rows = x.size(0), k = x.size(1), k2 = padded_k(k);

@@ -19,7 +19,6 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Optional.h>
 
-
 #include <cstring>
 #include <string>
 #include <vector>
@@ -43,10 +42,10 @@ void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_ca
 // [out, in] weight once, then multiply by it.
 at::Tensor pack_linear_weight(at::Tensor weight);
 at::Tensor packed_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
-                            int64_t out_features);
+                         int64_t out_features);
 at::Tensor pack_linear_weight_bf16(at::Tensor weight);
 at::Tensor packed_linear_bf16(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
-                                 int64_t out_features, const std::string& kernel);
+                              int64_t out_features, const std::string& kernel);
 std::vector<std::string> bf16_gemm_kernels();
 
 // Decoder-layer pieces (layers.cpp).
