@@ -18,7 +18,7 @@ from nanoengine.core.kv_cache_manager import KVCacheManager
 from nanoengine.core.kv_cache_sizing import max_concurrency
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.engine.core import EngineCore
-from nanoengine.utils.component_tree import code_location
+from nanoengine.instruments.component_tree import code_location
 from nanoengine.utils.mem_utils import format_bytes
 
 
@@ -117,13 +117,14 @@ def roles_table() -> Table:
     return table
 
 
-def construction_table(llm: LLM) -> Table:
-    """What LLM(...) prepared: the construction steps and the KV cache they sized."""
+def construction_table(llm: LLM, steps: dict[str, float]) -> Table:
+    """What LLM(...) prepared: the construction steps (timed by ``time_construction``)
+    and the KV cache they sized."""
     core = llm.llm_engine.engine_core.get_engine_core()
     table = Table(title="LLM(...) prepares: construction steps")
     table.add_column("step")
     table.add_column("seconds", justify="right")
-    for step, seconds in core.startup_timings.items():
+    for step, seconds in steps.items():
         table.add_row(step, f"{seconds:.2f}")
     kv = core.kv_cache_config
     max_len = core.engine_config.model_config.max_model_len

@@ -18,6 +18,7 @@ from chapters._common import (
     timed,
 )
 from nanoengine import LLM, SamplingParams
+from nanoengine.instruments.step_timing import time_construction
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,7 +26,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # The study notes' code, with only the import changed.
     sampling_params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens, seed=0)
-    llm, build_seconds = timed(lambda: LLM(model=args.model))
+    with time_construction() as steps:
+        llm, build_seconds = timed(lambda: LLM(model=args.model))
     outputs, run_seconds = timed(lambda: llm.generate(SEED_PROMPTS, sampling_params, use_tqdm=False))
 
     console.rule("generate(...) output")
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     console.rule("Two lines, two jobs")
     console.print(f"LLM(...)      took {build_seconds:6.2f} s: it decides how many requests can run at once.")
     console.print(f"generate(...) took {run_seconds:6.2f} s: it decides how long each request takes.")
-    console.print(construction_table(llm))
+    console.print(construction_table(llm, steps))
     console.print(roles_table())
 
 

@@ -20,7 +20,7 @@ A decode step reads every weight once, whatever the batch size, and does
    (meta-device) models.
 
 The largest batch this engine's KV cache can hold is chapter 6's result
-(``engine_core.memory_report.max_concurrency``).
+(``memory_report_of(engine_core).max_concurrency``, nanoengine/instruments/memory_report.py).
 
     python -m chapters.ch02_batching [--model DIR] [--batch-sizes 1,4,16,32] [--plot out.png]
 """

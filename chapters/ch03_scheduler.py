@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from chapters._common import base_parser, console
 from nanoengine import LLM, SamplingParams
+from nanoengine.instruments.trace import trace_table
 from nanoengine.renderers.hf import TokensPrompt
 
 LONG_TEXT = (
@@ -61,7 +62,7 @@ def budget_and_mixing(args: argparse.Namespace) -> tuple[int, list[int], int]:
     )
     trace = llm.trace
     assert trace is not None
-    console.print(trace.to_table(title=f"1+2. budget {budget} tokens/step: chunked prefill, mixed steps"))
+    console.print(trace_table(trace, title=f"1+2. budget {budget} tokens/step: chunked prefill, mixed steps"))
     chunk_sizes = [c.num_tokens for _, c in trace.chunks_of("1") if c.kind == "prefill"]
     mixed = sum(1 for step in trace.steps if {c.kind for c in step.scheduled} >= {"decode", "prefill"})
     console.print(
@@ -98,7 +99,7 @@ def priority_preemption(args: argparse.Namespace) -> tuple[list[tuple[str, str]]
         step += 1
     trace = llm.trace
     assert trace is not None
-    console.print(trace.to_table(title="3. priority policy: the urgent request preempts the running one"))
+    console.print(trace_table(trace, title="3. priority policy: the urgent request preempts the running one"))
     preemptions = [(p.victim_id, p.for_request_id) for s in trace.steps for p in s.preemptions]
     console.print(f"preemptions (victim, for): {preemptions}; finish order: {finish_order}\n")
     return preemptions, finish_order

@@ -29,6 +29,7 @@ from chapters._common import base_parser, console
 from chapters.ch03_scheduler import token_ids
 from chapters.ch04_groups import HYBRID_MODEL, HybridRun, block_table, hybrid_run
 from nanoengine import LLM, SamplingParams
+from nanoengine.instruments.trace import save_timeline, trace_table
 from nanoengine.renderers.hf import TokensPrompt
 
 SYSTEM_TEXT = "You are a helpful assistant. Answer briefly and precisely. "
@@ -98,7 +99,7 @@ def preemption(args: argparse.Namespace, bs: int) -> tuple[LLM, int, int, int, l
     )
     trace = llm.trace
     assert trace is not None
-    console.print(trace.to_table(title=f"2. {num_blocks} blocks of {bs} tokens: preemption and recompute"))
+    console.print(trace_table(trace, title=f"2. {num_blocks} blocks of {bs} tokens: preemption and recompute"))
     # A resumed request is re-admitted as new: its prefix-cache hit is what it did not recompute.
     resumed = [
         c
@@ -112,7 +113,7 @@ def preemption(args: argparse.Namespace, bs: int) -> tuple[LLM, int, int, int, l
         f"{trace.num_preemptions} preemptions; on resume the prefix cache supplied {hit} tokens, "
         f"{recomputed} were recomputed.\n"
     )
-    paths = [str(p) for p in trace.save_timeline(args.timeline)] if args.timeline else []
+    paths = [str(p) for p in save_timeline(trace, args.timeline)] if args.timeline else []
     if paths:
         console.print(f"timeline written to {paths}\n")
     return llm, trace.num_preemptions, hit, recomputed, paths

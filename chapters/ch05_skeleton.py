@@ -38,7 +38,7 @@ from chapters.ch05_source_map import (
 )
 from chapters.ch05_state_tour import mermaid, paths_table, run_state_tour, transitions_table
 from nanoengine import LLM, SamplingParams, StructuredOutputsParams
-from nanoengine.engine.step_timing import StepTimer, StepTiming
+from nanoengine.instruments.step_timing import StepTimer, StepTiming, time_construction
 from nanoengine.request import RequestStatus
 
 PROMPTS = [*SEED_PROMPTS, "Hello", "What is the capital of France?"]
@@ -145,14 +145,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print the tree, with vLLM counterparts, as JSON")
     args = parser.parse_args(argv)
 
-    llm, build_seconds = timed(lambda: LLM(model=args.model))
+    with time_construction() as steps:
+        llm, build_seconds = timed(lambda: LLM(model=args.model))
     vllm_map = load_vllm_map()
     if args.json:
         print(json.dumps(tree_json(llm, vllm_map), indent=2))
         return
 
     console.rule(f"map 1 -- LLM(...) prepares ({build_seconds:.2f} s)")
-    console.print(construction_table(llm))
+    console.print(construction_table(llm, steps))
     console.rule("print(llm): the layered map, computed from live objects")
     print(llm)
     console.rule("print(llm.llm_engine.engine_core): the subtree below the client")

@@ -20,7 +20,7 @@ from typing import Any
 
 from rich.table import Table
 
-from nanoengine.utils.component_tree import (
+from nanoengine.instruments.component_tree import (
     ComponentNode,
     attribute_created_at,
     build_component_tree,

@@ -9,7 +9,7 @@ left of the budget becomes the KV cache, which fixes how many requests fit at
 once (chapter 2). This walkthrough shows:
 
 1. each construction step, timed, on a real engine;
-2. the memory breakdown the engine kept (``engine_core.memory_report``);
+2. the memory breakdown, from what the engine measured (``memory_report_of``);
 3. the dtype: which one ``dtype="auto"`` picked on this CPU and why, and fp32
    against bf16 side by side -- weights, KV bytes per token and per block, and
    the blocks, tokens and concurrency each buys at this engine's KV budget (the
@@ -41,10 +41,11 @@ from chapters.ch06_tensor_parallel import run as run_tensor_parallel
 from nanoengine import LLM
 from nanoengine.core.kv_cache_sizing import get_kv_cache_config, max_concurrency, num_blocks_from_budget
 from nanoengine.engine.arg_utils import resolve_dtype
+from nanoengine.instruments.memory_report import MemoryReport, memory_report_of, memory_table
+from nanoengine.instruments.step_timing import time_construction
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.platforms.cpu import cpu_bf16_features
 from nanoengine.utils.mem_utils import format_bytes
-from nanoengine.worker.memory_report import MemoryReport, memory_table
 from nanoengine.worker.worker import available_ram_bytes
 
 CPU_FRACTIONS = (0.01, 0.05, 0.1, 0.2)
@@ -85,7 +86,7 @@ class Ch06Result:
 
 
 def _report(llm: LLM) -> MemoryReport:
-    report = llm.llm_engine.engine_core.get_engine_core().memory_report
+    report = memory_report_of(llm.llm_engine.engine_core.get_engine_core())
     if report is None:
         raise RuntimeError("the engine kept no memory report")
     return report
@@ -226,9 +227,10 @@ def main(argv: list[str] | None = None) -> Ch06Result | TensorParallelResult:
         return run_tensor_parallel(args.model, args.tensor_parallel_size, args.distributed_executor_backend,
                                    args.max_tokens, engine_kwargs, DEFAULT_MODEL)
 
-    llm, seconds = timed(lambda: LLM(args.model, **engine_kwargs))
+    with time_construction() as steps:
+        llm, seconds = timed(lambda: LLM(args.model, **engine_kwargs))
     console.rule("1. LLM(...) construction, step by step")
-    console.print(construction_table(llm))
+    console.print(construction_table(llm, steps))
     console.print(f"LLM(...) took {seconds:.2f} s in all (tokenizer and config reading included)")
 
     console.rule("2. The memory breakdown determine_available_memory measured")
@@ -260,7 +262,7 @@ def main(argv: list[str] | None = None) -> Ch06Result | TensorParallelResult:
         message = str(error)
         console.print(f"[red]ValueError[/red]: {message}")
     return Ch06Result(
-        timings=dict(llm.llm_engine.engine_core.get_engine_core().startup_timings),
+        timings=dict(steps),
         num_blocks=report.num_blocks,
         max_concurrency=report.max_concurrency,
         device=device,

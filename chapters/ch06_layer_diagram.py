@@ -22,9 +22,9 @@ from transformers import AutoConfig
 from chapters.ch06_tensor_parallel import DEFAULT_MODEL_STAND_IN, shape_text
 from chapters.grade_checks.tp_ranks import run_on_ranks
 from nanoengine.distributed.utils import kv_heads_per_rank
+from nanoengine.instruments.tp_inspection import WeightShard, model_weight_shards
 from nanoengine.transformers_utils.dummy_configs import BUILTIN_CONFIGS
 from nanoengine.worker.kv_cache_spec import meta_model
-from nanoengine.worker.tp_inspection import WeightShard, model_weight_shards
 
 # The two halves of a decoder layer: (the norm before it, the module holding its projections).
 SUBLAYERS = (("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"))

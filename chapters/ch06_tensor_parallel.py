@@ -13,7 +13,7 @@ part (and only this part) of chapter 6:
    predicts, and the share of the step's time the ranks spend in them.
 
 Everything is read from the live engine through ``collective_rpc``: the
-functions of ``nanoengine/worker/tp_inspection.py`` run on each rank.
+functions of ``nanoengine/instruments/tp_inspection.py`` run on each rank.
 """
 
 from __future__ import annotations
@@ -32,9 +32,7 @@ from rich.table import Table
 from chapters._common import console
 from nanoengine import LLM, SamplingParams
 from nanoengine.executor.abstract import Executor
-from nanoengine.trace.data import StepTrace
-from nanoengine.utils.mem_utils import format_bytes
-from nanoengine.worker.tp_inspection import (
+from nanoengine.instruments.tp_inspection import (
     CollectiveTally,
     RankInfo,
     WeightShard,
@@ -45,6 +43,8 @@ from nanoengine.worker.tp_inspection import (
     time_all_reduce,
     weight_shards,
 )
+from nanoengine.instruments.trace.data import StepTrace
+from nanoengine.utils.mem_utils import format_bytes
 
 # Token ids, not text: the stand-in model below has no tokenizer here. Three
 # lengths, so the first step's prefill and the decode steps differ in size.
@@ -175,7 +175,7 @@ def run_steps(llm: LLM, executor: Executor, max_tokens: int) -> tuple[list[StepC
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for index, token_ids in enumerate(PROMPT_TOKEN_IDS):
         engine.add_request(f"tp-{index}", {"prompt_token_ids": token_ids}, params)
-    trace = engine.trace
+    trace = llm.trace
     if trace is None:
         raise RuntimeError("the walkthrough's engine needs trace=True")
     executor.collective_rpc(start_collective_tally)

@@ -32,14 +32,14 @@ from chapters._common import base_parser, console
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.core import EngineCore
 from nanoengine.executor.uniproc_executor import UniProcExecutor
-from nanoengine.utils.method_taps import tap
+from nanoengine.instruments.method_taps import tap
 from nanoengine.worker.cudagraph_dispatcher import (
     CudagraphDecision,
     CudagraphDispatcher,
     default_capture_sizes,
     pad_decode_inputs,
 )
-from nanoengine.worker.input_batch import StepInputs
+from nanoengine.worker.input_batch import StepInputs, order_decodes_first
 from nanoengine.worker.model_runner import ModelRunner
 
 # Step 5 runs the Triton kernels; without CUDA only Triton's interpreter can, and
@@ -71,23 +71,29 @@ class Ch07Result:
 
 
 class ForwardWatch:
-    """What the model runner's latest forward pass was given, and its CUDA-graph decision.
+    """What the model runner's latest forward pass was given, its CUDA-graph decision,
+    and the logits its sampler got.
 
-    Read from outside through method taps (``nanoengine/utils/method_taps.py``):
-    the runner keeps no copy of either for this walkthrough.
+    Read from outside through method taps (``nanoengine/instruments/method_taps.py``):
+    the runner keeps no copy of any of them for this walkthrough.
     """
 
     def __init__(self, runner: ModelRunner) -> None:
         self.inputs: StepInputs | None = None
         self.decision: CudagraphDecision | None = None
+        self.logits: torch.Tensor | None = None  # [num_sampling_reqs, vocab]
         tap(runner, "_forward", before=self._saw_inputs)
         tap(runner.dispatcher, "dispatch", after=self._saw_decision)
+        tap(runner.sampler, "forward", before=self._saw_logits)
 
     def _saw_inputs(self, inputs: StepInputs, *rest: object) -> None:
         self.inputs = inputs
 
     def _saw_decision(self, decision: CudagraphDecision, *args: int) -> None:
         self.decision = decision
+
+    def _saw_logits(self, logits: torch.Tensor, *args: object) -> None:
+        self.logits = logits
 
 
 def _parts(llm: LLM) -> tuple[EngineCore, ModelRunner]:
@@ -105,12 +111,12 @@ def one_step(llm: LLM, watch: ForwardWatch, show: bool) -> StepRecord:
     The outputs then go to the front end's output processor, as
     ``LLMEngine.step`` would send them, so requests finish there too.
     """
-    core, runner = _parts(llm)
+    core, _ = _parts(llm)
     scheduler_output = core.scheduler.schedule()
     core.model_executor.execute_model(scheduler_output)  # forward pass, logits kept
-    inputs, decision = watch.inputs, watch.decision
-    logits = runner.pending_logits
+    watch.logits = None  # a step with no row to sample never calls the sampler
     model_output = core.model_executor.sample_tokens(None)
+    inputs, decision, logits = watch.inputs, watch.decision, watch.logits
     outputs = core.scheduler.update_from_output(scheduler_output, model_output)
     llm.llm_engine.output_processor.process_outputs(outputs.outputs)
     assert inputs is not None and decision is not None
@@ -128,7 +134,8 @@ def one_step(llm: LLM, watch: ForwardWatch, show: bool) -> StepRecord:
         table.add_row("", f"new={[r.req_id for r in scheduler_output.scheduled_new_reqs]} "
                       f"cached={scheduler_output.scheduled_cached_reqs.req_ids}")
         table.add_row("2 model inputs", f"input_ids={_short(record.input_ids)}")
-        table.add_row("", f"positions={_short(record.positions)} req order={inputs.req_ids}")
+        order = order_decodes_first(scheduler_output.num_scheduled_tokens)  # the runner's batch order
+        table.add_row("", f"positions={_short(record.positions)} req order={order}")
         table.add_row("3 attention metadata", f"query_start_loc={md.query_start_loc_cpu} seq_lens={md.seq_lens_cpu}")
         table.add_row("", f"block_table={md.block_table.tolist()} slot_mapping={_short(md.slot_mapping.tolist())}")
         shape = "none" if logits is None else f"{list(logits.shape)} (rows={inputs.sampling_req_ids})"

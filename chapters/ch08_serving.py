@@ -42,9 +42,9 @@ from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.engine.async_llm import AsyncLLM
 from nanoengine.engine.core_proc import EngineCoreRequestType
 from nanoengine.entrypoints.openai.api_server import build_app
+from nanoengine.instruments.method_taps import tap
 from nanoengine.outputs import RequestOutput
 from nanoengine.serial_utils import MsgpackEncoder
-from nanoengine.utils.method_taps import tap
 
 QUESTION = "What is the capital of France?"
 
@@ -156,6 +156,9 @@ def hang_up_mid_stream(url: str, model: str, engine: AsyncLLM) -> tuple[str | No
     """Read three chunks of a long answer, close the connection, ask the core what happened."""
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
             "temperature": 0.0, "stream": True}
+    # The instruments' plugin offers these utility calls in the core's process:
+    # from now on the core remembers which requests end, and how.
+    engine.client.call_utility("watch_finished")
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as reply:
         chunk_id = None
         for number, line in enumerate(ln for ln in reply.iter_lines() if ln.startswith("data: {")):
@@ -165,7 +168,7 @@ def hang_up_mid_stream(url: str, model: str, engine: AsyncLLM) -> tuple[str | No
     deadline = time.monotonic() + 5
     status = None
     while time.monotonic() < deadline and status is None:
-        finished = dict(engine.client.call_utility("get_recently_finished"))
+        finished = dict(engine.client.call_utility("recently_finished"))
         status = finished.get(chunk_id)
         time.sleep(0.05)
     stats = engine.client.call_utility("get_stats")

@@ -119,8 +119,8 @@ class SchedulerConfig:
 class ObservabilityConfig:
     """Debug switches of chapters 3 and 4 (also ``NANOENGINE_TRACE`` / ``NANOENGINE_CHECK_INVARIANTS``)."""
 
-    trace: bool = False  # record a StepTrace per step (nanoengine/trace/)
-    check_invariants: bool = False  # run core/invariants.py after every step
+    trace: bool = False  # record a StepTrace per step (nanoengine/instruments/trace/)
+    check_invariants: bool = False  # run instruments/invariants.py after every step
 
 
 @dataclass

@@ -36,8 +36,9 @@ from nanoengine.attention.backends.abstract import AttentionMetadata
 from nanoengine.attention.backends.torch_ref import TorchRefAttentionImpl
 from nanoengine.attention.backends.triton_attn import TritonAttentionImpl
 from nanoengine.executor.uniproc_executor import UniProcExecutor
+from nanoengine.instruments.memory_report import memory_report_of
+from nanoengine.instruments.method_taps import tap
 from nanoengine.renderers.hf import TokensPrompt
-from nanoengine.utils.method_taps import tap
 from nanoengine.worker.input_batch import StepInputs
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -143,7 +144,7 @@ def check_shape(name: str, root: Path) -> None:
             llm.generate(work, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, detokenize=False), use_tqdm=False)
             torch.cuda.synchronize()
             ours = 256 * 128 / (time.perf_counter() - start)
-            report = llm.llm_engine.engine_core.get_engine_core().memory_report
+            report = memory_report_of(llm.llm_engine.engine_core.get_engine_core())
             assert report is not None  # LLM(...) profiled memory while building the engine
             print(f"[{name}] memory: " + "; ".join(f"{item}={size}" for item, size, _ in report.rows()))
         del llm

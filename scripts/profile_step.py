@@ -12,7 +12,7 @@ prompts; once every request decodes, each step is timed whole and by part:
 * sampling: from logits to token ids;
 * the engine: scheduling, input preparation and output processing.
 
-Each part is timed through method taps (``nanoengine/utils/method_taps.py``) on
+Each part is timed through method taps (``nanoengine/instruments/method_taps.py``) on
 the live objects, so the engine's code is not touched. It also prints the
 bytes a step must stream from memory: every weight once per step, and every
 cached K/V row of every request once. Run it once per dtype, in separate
@@ -44,13 +44,13 @@ from rich.table import Table
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.executor.uniproc_executor import UniProcExecutor
+from nanoengine.instruments.method_taps import tap
 from nanoengine.model_executor.custom_op import CustomOp
 from nanoengine.model_executor.layers.cpu_linear import PackableLinear
 from nanoengine.model_executor.layers.layernorm import RMSNorm
 from nanoengine.platforms.cpu import cpu_flags, cpu_model_name, kernel_isa
 from nanoengine.renderers.hf import TokensPrompt
 from nanoengine.utils.mem_utils import format_bytes
-from nanoengine.utils.method_taps import tap
 from nanoengine.worker.model_runner import ModelRunner
 
 

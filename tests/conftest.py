@@ -25,7 +25,7 @@ TINY_ARCHS = ("llama", "qwen2", "qwen3")
 @pytest.fixture(autouse=True)
 def _check_engine_invariants(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every engine built in a test checks KV cache and scheduler invariants after each step
-    (nanoengine/core/invariants.py); a broken invariant fails the test that broke it."""
+    (nanoengine/instruments/invariants.py); a broken invariant fails the test that broke it."""
     monkeypatch.setenv("NANOENGINE_CHECK_INVARIANTS", "1")
 
 

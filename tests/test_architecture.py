@@ -14,6 +14,13 @@ them, and one convenient import is all it takes to break them. Checked here:
    never the reverse.
 3. ``nanoengine/worker``, ``nanoengine/model_executor`` and ``nanoengine/attention`` never
    import the engine layer (``nanoengine.engine``, ``nanoengine.entrypoints``).
+4. The teaching instruments (``nanoengine/instruments``: tracer, timers, memory report,
+   invariants, component tree, taps) attach from outside: no engine module imports them.
+   The one exception is the offline facade ``LLM`` (``nanoengine/entrypoints/llm.py``),
+   where a learner's ``print(llm)`` and ``llm.trace`` meet them; the engine core reaches
+   them only through the plugin entry point (``nanoengine/plugins``), which names no
+   module. And ``rich`` (tables, trees) is imported by the instruments alone, so
+   ``nanoengine/core`` in particular never loads it.
 
 The checker reads the sources with ``ast`` and imports nothing it checks: importing would
 only tell what one code path loaded, and would pay for torch to find out. Each rule has a
@@ -44,10 +51,13 @@ WORKER_AND_MODEL_CODE = (
     "nanoengine.executor",
     "nanoengine._custom_ops",
 )
-CORE_FORBIDDEN = ("torch", "numpy", *WORKER_AND_MODEL_CODE)
+CORE_FORBIDDEN = ("torch", "numpy", "rich", *WORKER_AND_MODEL_CODE)
 ENGINE_LAYER = ("nanoengine.engine", "nanoengine.entrypoints")
 WORKER = "nanoengine.worker"
 BELOW_THE_ENGINE = (WORKER, "nanoengine.model_executor", "nanoengine.attention")
+INSTRUMENTS = "nanoengine.instruments"
+# Where the instruments meet the engine from outside (see rule 4).
+INSTRUMENT_USERS = ("nanoengine.entrypoints.llm",)
 
 
 @dataclass(frozen=True)
@@ -275,6 +285,14 @@ def engine_layer_violations(graph: ImportGraph, package: str) -> list[Violation]
     )
 
 
+def instruments_violations(graph: ImportGraph) -> list[Violation]:
+    """Direct imports of the instruments (or of rich) by engine modules; annotations count."""
+    engine_modules = [
+        name for name in graph.modules if not in_package(name, [INSTRUMENTS, *INSTRUMENT_USERS])
+    ]
+    return graph.violations(engine_modules, [INSTRUMENTS, "rich"], transitive=False, count_type_checking=True)
+
+
 @pytest.fixture(scope="module")
 def graph() -> ImportGraph:
     return ImportGraph(load_package(PACKAGE_DIR))
@@ -306,7 +324,33 @@ def test_device_side_never_imports_engine_layer(graph: ImportGraph, package: str
     assert not violations, report(f"{package} must not import the engine layer", violations)
 
 
+def test_engine_never_imports_the_instruments_or_rich(graph: ImportGraph) -> None:
+    assert len(graph.under(INSTRUMENTS)) >= 10, f"found only {graph.under(INSTRUMENTS)}"
+    violations = instruments_violations(graph)
+    assert not violations, report("only the instruments (and the LLM facade) may import them", violations)
+
+
 # -- the checker can fail -------------------------------------------------------------
+
+
+def test_instruments_rule_reports_an_engine_import() -> None:
+    graph = ImportGraph(
+        synthetic_package(
+            {
+                "nanoengine.instruments.__init__": "import rich\n",
+                "nanoengine.instruments.trace": "from nanoengine.core import scheduler\n",
+                "nanoengine.core.__init__": "",
+                "nanoengine.core.scheduler": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import rich\n",
+                "nanoengine.engine.core": "def attach():\n    from nanoengine.instruments import trace\n",
+                "nanoengine.entrypoints.llm": "from nanoengine.instruments import trace\n",
+            }
+        )
+    )
+    assert sorted((v.module.name, v.imp.target) for v in instruments_violations(graph)) == [
+        ("nanoengine.core.scheduler", "rich"),
+        ("nanoengine.engine.core", "nanoengine.instruments"),
+        ("nanoengine.engine.core", "nanoengine.instruments.trace"),
+    ]
 
 
 def test_core_rule_reports_a_transitive_torch_import() -> None:

@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.arg_utils import EngineArgs
+from nanoengine.instruments.memory_report import memory_report_of
 from nanoengine.model_executor.layers import cpu_linear
 from nanoengine.model_executor.layers.cpu_linear import onednn_supports, resolve_linear_backend
 from nanoengine.platforms import cpu as cpu_platform
@@ -204,8 +205,9 @@ def test_bf16_halves_weights_and_doubles_kv_blocks(tiny_llama: str) -> None:
         core = llm.llm_engine.engine_core.get_engine_core()
         runner = core.model_executor.driver_worker.model_runner
         assert {cache.dtype for cache in runner.kv_caches} == {getattr(torch, dtype)}
-        assert core.memory_report is not None
-        reports[dtype] = core.memory_report
+        report = memory_report_of(core)
+        assert report is not None
+        reports[dtype] = report
     fp32, bf16 = reports["float32"], reports["bfloat16"]
     # 4 MiB is a whole number of fp32 blocks, so exactly twice as many bf16 ones fit.
     assert (4 << 20) % fp32.kv_cache_config.spec.page_size_bytes == 0

@@ -10,6 +10,7 @@ import torch
 from chapters import ch02_batching, ch06_construction, ch07_generate
 from nanoengine import LLM
 from nanoengine.engine.arg_utils import resolve_dtype
+from nanoengine.instruments.memory_report import memory_report_of
 from nanoengine.model_executor.layers.cpu_linear import resolve_linear_backend
 
 
@@ -111,7 +112,7 @@ def _check_bf16_halves_the_bytes(result: ch06_construction.Ch06Result, model: st
     computed = next(row for row in result.dtype_rows if not row.measured)
     other = LLM(model, dtype=computed.dtype, max_model_len=128, max_num_batched_tokens=128,
                 kv_cache_memory_bytes=result.kv_budget_bytes)
-    report = other.llm_engine.engine_core.get_engine_core().memory_report
+    report = memory_report_of(other.llm_engine.engine_core.get_engine_core())
     assert report is not None
     assert report.num_blocks == computed.num_blocks
     # The computed weights are the measured engine's tensors at the other element size. A

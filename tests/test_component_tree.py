@@ -1,6 +1,7 @@
-"""Tests for the live component tree (nanoengine/utils/component_tree.py, chapter 5).
+"""Tests for the live component tree (nanoengine/instruments/component_tree.py, chapter 5).
 
-The dummy classes below play an engine in miniature. Expected line numbers are never
+The dummy classes below play an engine in miniature; ``register_component`` lists
+them in the registry the tree printer reads, as ``COMPONENTS`` lists the engine's. Expected line numbers are never
 typed in: ``line_of`` finds the marker comment in this very file, so the tests keep
 passing when lines move, exactly as the tree itself does.
 """
@@ -18,13 +19,16 @@ import torch
 from rich.tree import Tree
 
 from nanoengine.config import CacheConfig
-from nanoengine.utils.component_tree import (
+from nanoengine.instruments.component_tree import (
+    COMPONENTS,
     UNSET,
     ComponentNode,
     SourceLocation,
-    TreeNode,
     build_component_tree,
+    component_of,
     format_location,
+    install_tree_printing,
+    register_component,
     render_component_tree,
     tree_to_text,
 )
@@ -47,22 +51,17 @@ def here(marker: str) -> SourceLocation:
 
 
 # ------------------------------------------------------------------ the mini engine
-class BlockPool(TreeNode):  # @def-block-pool
+class BlockPool:  # @def-block-pool
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
 
-    def tree_label_extra(self) -> str | None:
-        return f"num_blocks={self.num_blocks}"
 
-
-class ManagerBase(TreeNode):  # @def-base
+class ManagerBase:  # @def-base
     def __init__(self) -> None:
         self.block_pool = BlockPool(8)  # @new-block-pool (made by the base class)
 
 
 class Manager(ManagerBase):  # @def-manager
-    tree_children = ("block_pool", "cache_config", "model", "grammar", "never_set", "backend")
-
     def __init__(self) -> None:
         super().__init__()
         self.cache_config = CacheConfig()  # @new-cache-config
@@ -74,17 +73,15 @@ class Manager(ManagerBase):  # @def-manager
         self.block_pool = BlockPool(0)  # not __init__, so never the answer
 
 
-class InprocClient(TreeNode):  # @def-inproc
+class InprocClient:  # @def-inproc
     pass
 
 
-class MPClient(TreeNode):  # @def-mp
+class MPClient:  # @def-mp
     pass
 
 
-class Engine(TreeNode):  # @def-engine
-    tree_children = ("manager", "client", "stats")
-
+class Engine:  # @def-engine
     def __init__(self, in_process: bool) -> None:
         self.manager: Manager = Manager()  # @new-manager (annotated)
         if in_process:
@@ -97,18 +94,34 @@ class Engine(TreeNode):  # @def-engine
 
 
 @dataclass
-class Stats(TreeNode):  # @def-stats (a decorated class)
+class Stats:  # @def-stats (a decorated class)
     steps: int = 0
 
 
-class Shelf(TreeNode):  # @def-shelf
+class Shelf:  # @def-shelf
     """Holds components in a tuple, as the KV cache coordinator holds one manager per group."""
-
-    tree_children = ("pools", "sizes")
 
     def __init__(self) -> None:
         self.pools = tuple(BlockPool(n) for n in (4, 8))  # @new-pools
         self.sizes = [4, 8]  # a plain list: one leaf
+
+
+class Loop:
+    def __init__(self) -> None:
+        self.other: Loop | None = None
+
+
+# The registry entries: the mini engine's classes carry nothing for the tree.
+register_component(BlockPool, detail=lambda pool: f"num_blocks={pool.num_blocks}")
+register_component(ManagerBase)
+register_component(Manager, ("block_pool", "cache_config", "model", "grammar", "never_set", "backend"))
+register_component(InprocClient)
+register_component(MPClient)
+register_component(Engine, ("manager", "client", "stats"))
+register_component(Stats)
+register_component(Shelf, ("pools", "sizes"))
+register_component(Loop, ("other",))
+install_tree_printing()  # str(obj) and rich's __rich__ for every class listed above
 
 
 def child(node: ComponentNode, attr: str) -> ComponentNode:
@@ -166,11 +179,11 @@ def test_leaves_none_and_missing_attributes() -> None:
 def test_file_outside_the_repo_shows_an_absolute_path(tmp_path: Path) -> None:
     source = tmp_path / "outside_module.py"
     source.write_text(
-        "from nanoengine.utils.component_tree import TreeNode\n\n"
-        "class Outside(TreeNode):\n"
-        "    tree_children = ('part',)\n\n"
+        "from nanoengine.instruments.component_tree import register_component\n\n"
+        "class Outside:\n"
         "    def __init__(self):\n"
-        "        self.part = 1\n"
+        "        self.part = 1\n\n"
+        "register_component(Outside, ('part',))\n"
     )
     spec = importlib.util.spec_from_file_location("outside_module", source)
     assert spec is not None and spec.loader is not None
@@ -183,7 +196,7 @@ def test_file_outside_the_repo_shows_an_absolute_path(tmp_path: Path) -> None:
         del sys.modules["outside_module"]
     absolute = str(source.resolve())
     assert root.defined_at == SourceLocation(absolute, 3)
-    assert root.children[0].created_at == SourceLocation(absolute, 7)
+    assert root.children[0].created_at == SourceLocation(absolute, 5)
 
 
 def test_format_location() -> None:
@@ -202,13 +215,6 @@ def test_a_tuple_of_components_shows_each_of_them() -> None:
 
 
 # ------------------------------------------------------------------ cycles and limits
-class Loop(TreeNode):
-    tree_children = ("other",)
-
-    def __init__(self) -> None:
-        self.other: Loop | None = None
-
-
 def test_cycles_are_cut_and_named() -> None:
     first, second = Loop(), Loop()
     first.other, second.other = second, first
@@ -224,18 +230,40 @@ def test_depth_limit() -> None:
         build_component_tree(Engine(True), max_depth=-1)
 
 
-def test_bad_tree_children_and_failing_hook() -> None:
-    class Forgot(TreeNode):
-        tree_children = ("comma")  # type: ignore[assignment]  # the slip being tested
+def test_bad_children_and_failing_detail() -> None:
+    class Forgot:
+        pass
 
-    with pytest.raises(TypeError, match="Forgot.tree_children must be a tuple"):
-        build_component_tree(Forgot())
+    with pytest.raises(TypeError, match="Forgot: children must be a tuple"):
+        register_component(Forgot, ("comma"))  # type: ignore[arg-type]  # the slip being tested
 
-    class Broken(TreeNode):
-        def tree_label_extra(self) -> str | None:
+    class Broken:
+        def explode(self) -> str:
             raise RuntimeError("boom")
 
-    assert build_component_tree(Broken()).extra == "tree_label_extra raised RuntimeError: boom"
+    register_component(Broken, detail=Broken.explode)
+    assert build_component_tree(Broken()).extra == "detail raised RuntimeError: boom"
+
+
+def test_a_subclass_takes_its_nearest_listed_base() -> None:
+    class Unlisted(Manager):
+        pass
+
+    assert component_of(Unlisted()) is component_of(Manager())
+    assert component_of(object()) is None
+
+
+def test_every_engine_class_in_the_registry_exists() -> None:
+    """A renamed or moved engine class must not silently drop out of the tree."""
+    import importlib
+
+    engine_entries = {name: entry for name, entry in COMPONENTS.items() if name.startswith("nanoengine.")}
+    assert len(engine_entries) >= 20, sorted(engine_entries)
+    for name, entry in engine_entries.items():
+        module_name, _, class_name = name.rpartition(".")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        assert isinstance(cls, type), name
+        assert all(isinstance(child, str) for child in entry.children), name
 
 
 # --------------------------------------------------------------------------- output

@@ -10,7 +10,6 @@ from engine_helpers import make_engine
 from nanoengine.engine import EngineCoreOutputs, EngineCoreRequest
 from nanoengine.engine.core import EngineCore
 from nanoengine.engine.core_client import EngineCoreClient, InprocClient
-from nanoengine.trace import EngineTrace
 
 
 def test_inproc_client_hands_out_its_engine_core(tiny_llama: str) -> None:
@@ -40,9 +39,6 @@ class _OutOfProcessClient(EngineCoreClient):
 
     def shutdown(self) -> None:
         pass
-
-    def get_trace(self) -> EngineTrace | None:
-        return None
 
 
 def test_client_without_the_core_refuses_and_says_why() -> None:

@@ -14,7 +14,6 @@ from test_scheduler import make_request, run_to_completion, step
 from transformers import LlamaConfig, Qwen3_5TextConfig
 
 from nanoengine.config import CacheConfig, ModelConfig, SchedulerConfig
-from nanoengine.core.invariants import InvariantViolation, check_invariants
 from nanoengine.core.kv_cache_coordinator import HybridKVCacheCoordinator, UnitaryKVCacheCoordinator
 from nanoengine.core.kv_cache_groups import KVCacheLayout, group_kv_cache_layers, unified_block_size
 from nanoengine.core.kv_cache_manager import KVCacheManager
@@ -23,6 +22,7 @@ from nanoengine.core.kv_cache_utils import get_request_block_hasher
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 from nanoengine.engine.arg_utils import resolve_prefix_caching
+from nanoengine.instruments.invariants import InvariantViolation, check_invariants
 from nanoengine.kv_cache_interface import (
     FULL_ATTENTION_GROUP,
     FullAttentionSpec,

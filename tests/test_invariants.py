@@ -1,4 +1,4 @@
-"""The KV cache / scheduler invariant checker (core/invariants.py) catches each kind of corruption."""
+"""The KV cache / scheduler invariant checker (instruments/invariants.py) catches each kind of corruption."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 from test_scheduler import make_request, make_scheduler, run_to_completion, step
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.core import invariants
-from nanoengine.core.invariants import InvariantViolation, check_invariants
 from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.core.sched.scheduler import Scheduler
+from nanoengine.instruments import invariants
+from nanoengine.instruments.invariants import InvariantViolation, check_invariants
 
 
 def busy_scheduler(num_blocks: int = 12) -> Scheduler:
@@ -132,6 +132,6 @@ def test_every_test_engine_checks_invariants_after_each_step(
     core = llm.llm_engine.engine_core.get_engine_core()
     assert core.engine_config.observability_config.check_invariants  # the autouse fixture in conftest.py
     calls: list[int] = []
-    monkeypatch.setattr("nanoengine.core.invariants.check_invariants", lambda s: calls.append(1))
+    monkeypatch.setattr("nanoengine.instruments.invariants.check_invariants", lambda s: calls.append(1))
     llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(calls) == 3

@@ -1,8 +1,9 @@
 """Chapter 6's memory profile: what is measured on CPU, what the engine keeps, what it says.
 
 The profiling pass's peak is measured from the process's peak RSS on CPU; the
-engine keeps the breakdown as ``engine_core.memory_report`` and logs it only at
-INFO level, so LLM construction stays quiet by default.
+engine keeps the profile (``memory_profile``) and the KV cache it sized, the
+instruments turn them into chapter 6's report, and the engine logs vLLM's
+start-up lines only at INFO level, so LLM construction stays quiet by default.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import mmap
 
 import pytest
 import torch
+from rich.console import Console
 
 from nanoengine import LLM
 from nanoengine.attention.selector import resolve_backend_name
 from nanoengine.engine.arg_utils import EngineArgs
+from nanoengine.instruments.memory_report import memory_report_of, memory_table
+from nanoengine.instruments.step_timing import time_construction
 from nanoengine.worker.memory_probe import PeakMemoryProbe
-from nanoengine.worker.memory_report import render_memory_table
 
 
 def test_cpu_probe_sees_a_large_temporary_allocation() -> None:
@@ -37,7 +40,7 @@ def test_cpu_probe_sees_a_large_temporary_allocation() -> None:
 def test_engine_keeps_the_breakdown_and_is_quiet_by_default(
     tiny_llama: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING), time_construction() as steps:
         # fp32 named (4 bytes a weight below); tests/test_bf16_engine.py checks bf16 halves it.
         llm = LLM(
             tiny_llama,
@@ -48,7 +51,7 @@ def test_engine_keeps_the_breakdown_and_is_quiet_by_default(
         )
     assert not caplog.records
     core = llm.llm_engine.engine_core.get_engine_core()
-    report = core.memory_report
+    report = memory_report_of(core)
     assert report is not None and report.profile.device == "cpu"
     profile = report.profile
     assert profile.weights_bytes == sum(p.numel() * 4 for p in core.model_executor.driver_worker.model_runner.model.parameters())
@@ -59,15 +62,22 @@ def test_engine_keeps_the_breakdown_and_is_quiet_by_default(
     # The CPU's default 128-token blocks: one max_model_len=128 request takes one block.
     assert report.kv_cache_config.block_size == 128
     assert report.max_concurrency == pytest.approx(report.num_blocks - 1)
-    assert list(core.startup_timings)[-1] == "compile_or_warm_up_model"
-    text = render_memory_table(report)
+    assert list(steps) == [
+        "init_device + load_model", "determine_available_memory", "initialize_from_config", "compile_or_warm_up_model"
+    ]
+    console = Console(width=140, record=True, color_system=None)
+    with console.capture() as capture:
+        console.print(memory_table(report))
+    text = capture.get()
     assert "peak activations" in text and "max concurrency" in text and "CUDA graphs" not in text
 
 
-def test_memory_table_is_logged_at_info(tiny_llama: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_memory_and_kv_cache_size_are_logged_at_info(tiny_llama: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="nanoengine.engine.core"):
         LLM(tiny_llama, max_model_len=128, max_num_batched_tokens=128, kv_cache_memory_bytes=2 << 20)
-    assert any("Memory profile (cpu" in r.getMessage() for r in caplog.records)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("Memory profile: weights") for m in messages), messages
+    assert any("Maximum concurrency for 128 tokens per request" in m for m in messages), messages
 
 
 def test_too_small_budget_names_the_missing_bytes_and_the_profile(tiny_llama: str) -> None:

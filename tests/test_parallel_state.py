@@ -31,7 +31,7 @@ from nanoengine.distributed.parallel_state import (
     model_parallel_is_initialized,
 )
 from nanoengine.distributed.utils import check_tensor_parallel_size, first_kv_head_of_rank, kv_heads_per_rank
-from nanoengine.worker.tp_inspection import (
+from nanoengine.instruments.tp_inspection import (
     start_collective_tally,
     stop_collective_tally,
     take_collective_tally,

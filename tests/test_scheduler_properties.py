@@ -6,7 +6,7 @@ tokens it *reads back through the block table*. So a block shared by mistake,
 a prefix-cache hit on the wrong block, or a block reused while still needed
 changes the output. Every finished request must produce exactly what the same
 request produces when it runs alone, and the invariants of
-``core/invariants.py`` must hold after every rule.
+``instruments/invariants.py`` must hold after every rule.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from nanoengine.config import CacheConfig, SchedulerConfig
-from nanoengine.core.invariants import check_invariants
 from nanoengine.core.kv_cache_utils import get_request_block_hasher
 from nanoengine.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from nanoengine.core.sched.scheduler import Scheduler
+from nanoengine.instruments.invariants import check_invariants
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from nanoengine.request import Request, RequestStatus
 from nanoengine.sampling_params import SamplingParams

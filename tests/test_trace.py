@@ -10,9 +10,9 @@ from test_scheduler import make_request, make_scheduler, step
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.core.sched.scheduler import Scheduler
+from nanoengine.instruments.trace import EngineTrace, TraceRecorder, save_timeline
+from nanoengine.instruments.trace.table import format_chunk, live_table, trace_table
 from nanoengine.renderers.hf import TokensPrompt
-from nanoengine.trace import EngineTrace, TraceRecorder
-from nanoengine.trace.table import format_chunk, live_table, trace_table
 
 
 def traced_scheduler(**kwargs: object) -> tuple[Scheduler, TraceRecorder]:
@@ -128,7 +128,7 @@ def test_llm_trace_table_timeline_and_live(tiny_llama: str, tmp_path: Path) -> N
     text = console.export_text()
     assert "r0:P0-15" in text and "r1:P0-4" in text
     console.print(trace_table(trace, last=2))
-    paths = trace.save_timeline(tmp_path / "timeline.png", title="test")
+    paths = save_timeline(trace, tmp_path / "timeline.png", title="test")
     assert [p.suffix for p in paths] == [".png", ".svg"] and all(p.stat().st_size > 1000 for p in paths)
     trace.clear()
     assert trace.steps == [] and trace.prefix_cache_hit_rate == 0.0
@@ -146,7 +146,7 @@ def test_tracing_is_off_by_default_and_env_switch_turns_it_on(
 
 def test_empty_trace_has_no_timeline() -> None:
     with pytest.raises(ValueError, match="no requests"):
-        EngineTrace(block_size=16, num_blocks=8).save_timeline("/tmp/never-written.png")
+        save_timeline(EngineTrace(block_size=16, num_blocks=8), "/tmp/never-written.png")
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])

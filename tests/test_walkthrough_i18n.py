@@ -28,7 +28,7 @@ def _sample(node: ast.expr) -> str | None:
 
 
 def walkthrough_headings() -> list[tuple[str, str]]:
-    """(file, heading) for every console.rule(...) and to_table(title=...) in the walkthroughs."""
+    """(file, heading) for every console.rule(...) and trace_table(..., title=...) in the walkthroughs."""
     found = []
     for path in sorted(CHAPTERS.glob("c*.py")) + sorted(CHAPTERS.glob("ex*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -36,7 +36,7 @@ def walkthrough_headings() -> list[tuple[str, str]]:
                 continue
             if node.func.attr == "rule" and node.args:
                 heading = _sample(node.args[0])
-            elif node.func.attr == "to_table":
+            elif node.func.attr == "to_table" or getattr(node.func, "id", None) == "trace_table":
                 heading = next((_sample(k.value) for k in node.keywords if k.arg == "title"), None)
             else:
                 continue

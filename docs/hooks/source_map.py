@@ -58,7 +58,7 @@ def live_tree() -> Any:
     finally:
         sys.path.remove(str(ROOT / "tests"))
     from nanoengine import LLM
-    from nanoengine.utils.component_tree import build_component_tree
+    from nanoengine.instruments.component_tree import build_component_tree
 
     with tempfile.TemporaryDirectory(prefix="nanoengine-docs-") as tmp:
         model_dir = make_tiny_model_dir(Path(tmp) / "tiny-llama", "llama")

@@ -28,10 +28,9 @@ from collections.abc import Iterable, Sequence
 
 from nanoengine.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from nanoengine.request import BlockHash, Request
-from nanoengine.utils.component_tree import TreeNode
 
 
-class BlockPool(TreeNode):
+class BlockPool:
     """Hands out, takes back and caches KV cache blocks."""
 
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
@@ -54,9 +53,6 @@ class BlockPool(TreeNode):
     def num_usable_blocks(self) -> int:
         """Blocks a request can ever get: all of them but the null block."""
         return self.num_blocks - 1
-
-    def tree_label_extra(self) -> str:
-        return f"num_blocks={self.num_blocks} free={self.get_num_free_blocks()}"
 
     def get_num_free_blocks(self) -> int:
         """Free blocks, cached or not: an evictable cached block counts as free."""
@@ -87,7 +83,7 @@ class BlockPool(TreeNode):
         return new_blocks
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """Forget ``block``'s cached contents; True if it had any."""
+        """Forget ``block``'s cached contents; True if it had any (vLLM's answers the same)."""
         if block.block_hash is None:
             return False
         self.uncache_block(block)

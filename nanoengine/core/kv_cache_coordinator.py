@@ -36,13 +36,10 @@ from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import BlockHash, Request
-from nanoengine.utils.component_tree import TreeNode
 
 
-class KVCacheCoordinator(TreeNode, ABC):
+class KVCacheCoordinator(ABC):
     """One manager per KV cache group, all drawing on one ``BlockPool``."""
-
-    tree_children = ("single_type_managers",)
 
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, enable_caching: bool) -> None:
         self.kv_cache_config = kv_cache_config

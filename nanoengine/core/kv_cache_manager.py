@@ -23,7 +23,6 @@ from nanoengine.core.kv_cache_coordinator import get_kv_cache_coordinator
 from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import Request
-from nanoengine.utils.component_tree import TreeNode
 
 
 @dataclass
@@ -61,10 +60,8 @@ class PrefixCacheStats:
         self.hits += num_hits
 
 
-class KVCacheManager(TreeNode):
+class KVCacheManager:
     """Slots for the scheduler's requests, with automatic prefix caching."""
-
-    tree_children = ("coordinator",)
 
     def __init__(
         self,

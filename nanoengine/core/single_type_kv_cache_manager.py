@@ -33,13 +33,10 @@ from nanoengine.core.block_pool import BlockPool
 from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.kv_cache_interface import KVCacheGroupSpec, MambaSpec
 from nanoengine.request import BlockHash, Request
-from nanoengine.utils.component_tree import TreeNode
 
 
-class SingleTypeKVCacheManager(TreeNode, ABC):
+class SingleTypeKVCacheManager(ABC):
     """Block tables of one group, backed by the pool every group shares."""
-
-    tree_children = ("block_pool",)
 
     def __init__(
         self, kv_cache_group: KVCacheGroupSpec, kv_cache_group_id: int, block_pool: BlockPool
@@ -55,9 +52,6 @@ class SingleTypeKVCacheManager(TreeNode, ABC):
         # request id -> how many leading blocks of its table are already in the
         # prefix cache, so each step only registers the blocks that just filled up.
         self.num_cached_block: dict[str, int] = {}
-
-    def tree_label_extra(self) -> str:
-        return f"group={self.kv_cache_group_id} layers={self.num_layers} block_size={self.block_size}"
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The request's block table in this group (empty for an unknown request)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -22,9 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoengine.config import EngineConfig
-from nanoengine.core.invariants import check_invariants_after_each_update
 from nanoengine.core.kv_cache_groups import group_kv_cache_layers
-from nanoengine.core.kv_cache_sizing import get_kv_cache_config
+from nanoengine.core.kv_cache_sizing import get_kv_cache_config, max_concurrency
 from nanoengine.core.kv_cache_utils import get_request_block_hasher
 from nanoengine.core.sched.async_scheduler import AsyncScheduler
 from nanoengine.core.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -32,16 +30,11 @@ from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.engine import EngineCoreOutputs, EngineCoreRequest
 from nanoengine.executor.abstract import Executor
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from nanoengine.plugins import load_engine_core_plugins
 from nanoengine.request import Request, RequestStatus
 from nanoengine.structured_output import StructuredOutputManager
-from nanoengine.trace import EngineTrace, TraceRecorder
-from nanoengine.utils.component_tree import TreeNode, build_component_tree
-from nanoengine.utils.method_taps import time_calls
-from nanoengine.worker.memory_report import MemoryReport, render_memory_table
 
 logger = logging.getLogger(__name__)
-# The construction steps chapter 6 times, in the order _initialize_kv_caches calls them.
-_TIMED_STARTUP_CALLS = ("determine_available_memory", "initialize_from_config", "compile_or_warm_up_model")
 
 
 @dataclass
@@ -62,25 +55,16 @@ class InFlightStep:
         return output if output is not None else self.sampled.result()
 
 
-class EngineCore(TreeNode):
+class EngineCore:
     """Owns the worker(s), the scheduler and the grammars; advances all requests."""
-
-    tree_children = ("model_executor", "structured_output_manager", "scheduler")
 
     def __init__(self, engine_config: EngineConfig) -> None:
         self.engine_config = engine_config
-        # Chapter 6's breakdown (weights, activations, KV cache, concurrency).
-        self.memory_report: MemoryReport | None = None
-        start = time.perf_counter()
         # init_device and load_model happen inside the executor's constructor:
         # in this process for one rank, in one worker process per rank for
         # tensor parallelism (chapter 6); the engine calls both the same way.
         executor_class = Executor.get_class(engine_config)
         self.model_executor = executor_class(engine_config)
-        # Seconds per construction step, shown by chapters 1, 5 and 6. The KV
-        # cache steps are timed from outside, so _initialize_kv_caches stays plain.
-        self.startup_timings = {"init_device + load_model": time.perf_counter() - start}
-        time_calls(self.model_executor, _TIMED_STARTUP_CALLS, self.startup_timings)
         self.kv_cache_config = self._initialize_kv_caches()
         self.structured_output_manager = StructuredOutputManager(engine_config)
         # The scheduler gets the block count decided above; its KV cache manager
@@ -93,12 +77,6 @@ class EngineCore(TreeNode):
             self.kv_cache_config,
             kv_transfer_config=engine_config.kv_transfer_config,
         )
-        # Instruments (chapters 3-4), attached from outside: the scheduler's code
-        # has no tracing or checking in it, and with both off nothing is attached.
-        observability = engine_config.observability_config
-        self.trace_recorder = TraceRecorder.attach(self.scheduler) if observability.trace else None
-        if observability.check_invariants:
-            check_invariants_after_each_update(self.scheduler)
         # Async scheduling keeps up to two steps in flight: the one whose
         # tokens the scheduler waits for, and the next one, already launched.
         self.batch_queue_size = 2 if async_scheduling else 1
@@ -111,6 +89,11 @@ class EngineCore(TreeNode):
         self.block_hasher = (
             get_request_block_hasher(cache_config.block_size) if cache_config.enable_prefix_caching else None
         )
+        # Last, the plugins (nanoengine/plugins/): the instruments of chapters
+        # 3-5 attach to this core from there (the step tracer, the invariant
+        # checks), so nothing in this class traces, checks or times itself.
+        for attach in load_engine_core_plugins().values():
+            attach(self)
 
     def _initialize_kv_caches(self) -> KVCacheConfig:
         """determine_available_memory -> block count -> initialize_from_config."""
@@ -140,33 +123,37 @@ class EngineCore(TreeNode):
         self.model_executor.initialize_from_config(kv_cache_config)
         # CUDA graphs are recorded now: they read the KV cache just bound.
         self.model_executor.compile_or_warm_up_model()
-        profile = self.model_executor.memory_profile
-        if profile is not None:
-            self.memory_report = MemoryReport(profile, kv_cache_config, config.model_config.max_model_len)
-            if logger.isEnabledFor(logging.INFO):
-                logger.info("\n%s", render_memory_table(self.memory_report))
+        self._log_kv_cache_size(kv_cache_config)
         return kv_cache_config
 
-    @property
-    def trace(self) -> EngineTrace | None:
-        """The step trace (chapters 3-4), or None when tracing is off."""
-        return self.trace_recorder.trace if self.trace_recorder is not None else None
+    def _log_kv_cache_size(self, kv_cache_config: KVCacheConfig) -> None:
+        """vLLM's start-up lines: where the memory went, what the KV cache holds.
 
-    def tree_label_extra(self) -> str | None:
-        running, waiting = self.scheduler.get_request_counts()
-        return f"running={running} waiting={waiting}"
+        Chapter 6's table of the same facts is built from outside, on demand
+        (``nanoengine/instruments/memory_report.py``).
+        """
+        profile = self.model_executor.memory_profile
+        if profile is not None:
+            logger.info("%s", profile.describe())
+        max_model_len = self.engine_config.model_config.max_model_len
+        logger.info(
+            "KV cache size: %d tokens (%d blocks of %d). Maximum concurrency for %d tokens per request: %.2fx",
+            (kv_cache_config.num_blocks - 1) * kv_cache_config.block_size,
+            kv_cache_config.num_blocks,
+            kv_cache_config.block_size,
+            max_model_len,
+            max_concurrency(kv_cache_config, max_model_len),
+        )
 
     def describe(self) -> dict[str, Any]:
-        """Plain facts about this core: its process, its KV cache, its component tree.
+        """Plain facts about this core: its process and its KV cache.
 
-        A client in another process (chapter 8) asks for them over the socket
-        to print the tree across the process boundary.
+        A client in another process (chapter 8) asks for them over the socket.
         """
         return {
             "pid": os.getpid(),
             "num_blocks": self.kv_cache_config.num_blocks,
             "block_size": self.kv_cache_config.block_size,
-            "tree": build_component_tree(self).to_dict(),
         }
 
     # ---- requests in and out -----------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import queue
 import shutil
 import subprocess
@@ -25,7 +24,6 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
-import msgspec
 import zmq
 
 from nanoengine.config import EngineConfig
@@ -34,8 +32,6 @@ from nanoengine.engine.core import EngineCore
 from nanoengine.engine.core_proc import ENGINE_CORE_DEAD, EngineCoreRequestType, encode_startup
 from nanoengine.engine.exceptions import EngineDeadError
 from nanoengine.serial_utils import MsgpackDecoder, MsgpackEncoder
-from nanoengine.trace import EngineTrace
-from nanoengine.utils.component_tree import ComponentNode, TreeNode
 
 
 class EngineCoreClient(ABC):
@@ -72,10 +68,6 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
-    @abstractmethod
-    def get_trace(self) -> EngineTrace | None:
-        """The engine core's step trace (chapters 3-4); None when tracing is off."""
-
     def get_engine_core(self) -> EngineCore:
         """The live ``EngineCore`` behind this client, for code that inspects it.
 
@@ -92,7 +84,7 @@ class EngineCoreClient(ABC):
         )
 
 
-class InprocClient(EngineCoreClient, TreeNode):
+class InprocClient(EngineCoreClient):
     """In-process: each ``get_output`` is one direct ``EngineCore.step()``
     (``step_with_batch_queue()`` with async scheduling).
 
@@ -100,8 +92,6 @@ class InprocClient(EngineCoreClient, TreeNode):
     shows the subtree that chapter 5 of the study notes draws below
     ``engine_core``.
     """
-
-    tree_children = ("engine_core",)
 
     def __init__(self, engine_config: EngineConfig) -> None:
         self.engine_core = EngineCore(engine_config)
@@ -122,10 +112,6 @@ class InprocClient(EngineCoreClient, TreeNode):
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 
-    def get_trace(self) -> EngineTrace | None:
-        # Same process: the live object itself, still growing as steps run.
-        return self.engine_core.trace
-
     def get_engine_core(self) -> EngineCore:
         """The ``EngineCore`` this client drives: same process, the object itself."""
         return self.engine_core
@@ -144,7 +130,7 @@ _SHUTDOWN_GRACE_S = 5.0
 _CORE_MAIN = "from nanoengine.engine.core_proc import main; main()"
 
 
-class MPClient(EngineCoreClient, TreeNode):
+class MPClient(EngineCoreClient):
     """Starts an ``EngineCoreProc`` and talks to it over two ZMQ sockets.
 
     The client binds both sockets (unix-domain ``ipc://`` paths in a private
@@ -163,8 +149,6 @@ class MPClient(EngineCoreClient, TreeNode):
     watches its stdin, a pipe only this process writes to, and exits when this
     process dies.
     """
-
-    tree_children = ("engine_core",)
 
     def __init__(self, engine_config: EngineConfig) -> None:
         self._ipc_dir = tempfile.mkdtemp(prefix="nanoengine-ipc-")
@@ -279,11 +263,6 @@ class MPClient(EngineCoreClient, TreeNode):
         """Run an ``EngineCore`` method in the core process and return its result."""
         return self._start_utility(method, *args).result()
 
-    def get_trace(self) -> EngineTrace | None:
-        # The trace is a live object in the other process; arg_utils refuses
-        # trace=True with multiprocess_mode, so there is never one to fetch.
-        return None
-
     def shutdown(self) -> None:
         """Stop the core process (SIGTERM, then SIGKILL after a grace period) and free the sockets."""
         if self._closing:
@@ -370,15 +349,12 @@ class AsyncMPClient(SyncMPClient):
 
 
 class RemoteEngineCore:
-    """What the component tree shows for a core in another process: its tree, fetched."""
+    """What ``MPClient.engine_core`` holds for a core in another process: the way to reach it.
+
+    Anything about the core itself (its component tree, chapter 5) is asked of
+    it over the socket, through ``client.call_utility``.
+    """
 
     def __init__(self, client: MPClient, pid: int) -> None:
         self.client = client
         self.pid = pid
-
-    def remote_component_node(self) -> ComponentNode:
-        """The core's own component tree, built in its process and sent over the socket."""
-        info = self.client.call_utility("describe")
-        node = msgspec.convert(info["tree"], ComponentNode)
-        node.note = f"in process {self.pid}, reached over ZMQ; this side is process {os.getpid()}"
-        return node

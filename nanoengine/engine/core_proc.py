@@ -34,6 +34,7 @@ it here so that core.py stays the one-process engine of chapters 5-7.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 import queue
@@ -41,7 +42,7 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -55,9 +56,7 @@ from nanoengine.engine import (
     UtilityOutput,
 )
 from nanoengine.engine.core import EngineCore
-from nanoengine.request import Request
 from nanoengine.serial_utils import MsgpackDecoder, MsgpackEncoder
-from nanoengine.utils.method_taps import tap
 from nanoengine.utils.system_utils import encode_startup as encode_startup_message
 from nanoengine.utils.system_utils import exit_when_parent_dies, raise_system_exit, read_startup
 
@@ -80,9 +79,10 @@ class EngineCoreRequestType(enum.Enum):
 # the process exit to learn of it.
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 # The methods a utility call may run (a socket is no reason to expose every method).
-UTILITY_METHODS = frozenset(
-    {"append_prompt", "reset_prefix_cache", "get_stats", "describe", "get_recently_finished"}
-)
+UTILITY_METHODS = frozenset({"append_prompt", "reset_prefix_cache", "get_stats", "describe"})
+# Utility calls that plugins add (nanoengine/plugins/): name -> function(core, *args).
+# The instruments add theirs here (the component tree of this core, for one).
+UTILITY_EXTENSIONS: dict[str, Callable[..., Any]] = {}
 
 
 class EngineCoreProc(EngineCore):
@@ -93,10 +93,6 @@ class EngineCoreProc(EngineCore):
         self.output_queue: queue.Queue[EngineCoreOutputs | bytes] = queue.Queue()
         # Builds the model, sizes the KV cache, makes the scheduler (chapter 6).
         super().__init__(engine_config)
-        # The last requests to end, and how (FINISHED_ABORTED for a client that
-        # hung up): vLLM logs these lines; here a utility call can read them.
-        self.recently_finished: deque[tuple[str, str]] = deque(maxlen=32)
-        tap(self.scheduler, "_free_request", after=self._note_finished)
         ready = threading.Event()
         threading.Thread(
             target=self.process_input_sockets, args=(input_address, ready), name="EngineCoreInput", daemon=True
@@ -183,10 +179,14 @@ class EngineCoreProc(EngineCore):
             self.output_queue.put_nowait(EngineCoreOutputs(outputs=[rejected]))
 
     def _run_utility(self, call_id: int, method: str, args: list[Any]) -> UtilityOutput:
-        if method not in UTILITY_METHODS:
+        if method in UTILITY_METHODS:
+            run: Callable[..., Any] = getattr(self, method)
+        elif method in UTILITY_EXTENSIONS:
+            run = functools.partial(UTILITY_EXTENSIONS[method], self)
+        else:
             return UtilityOutput(call_id, failure_message=f"{method!r} is not a utility method of the engine core.")
         try:
-            return UtilityOutput(call_id, result=getattr(self, method)(*args))
+            return UtilityOutput(call_id, result=run(*args))
         except Exception as error:  # noqa: BLE001 -- the caller gets it; the core keeps serving
             return UtilityOutput(call_id, failure_message=f"{type(error).__name__}: {error}")
 
@@ -222,13 +222,6 @@ class EngineCoreProc(EngineCore):
                 socket.send(encoder.encode(outputs))
 
     # ---- what utility calls may ask ----------------------------------------------------
-
-    def _note_finished(self, _: None, request: Request) -> None:
-        self.recently_finished.append((request.request_id, request.status.name))
-
-    def get_recently_finished(self) -> list[tuple[str, str]]:
-        """(request id, FINISHED_* status) of the last requests to end, oldest first."""
-        return list(self.recently_finished)
 
     def describe(self) -> dict[str, Any]:
         """The in-process facts, plus this process's threads (chapter 8 prints them)."""

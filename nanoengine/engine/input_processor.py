@@ -15,13 +15,10 @@ from nanoengine.config import ModelConfig
 from nanoengine.engine import EngineCoreRequest
 from nanoengine.renderers.hf import RenderedPrompt
 from nanoengine.sampling_params import SamplingParams
-from nanoengine.utils.component_tree import TreeNode
 
 
-class InputProcessor(TreeNode):
+class InputProcessor:
     """Validates against the model's limits and fills in engine-side defaults."""
-
-    tree_children = ()
 
     def __init__(
         self, model_config: ModelConfig, eos_token_ids: Iterable[int], async_scheduling: bool = False

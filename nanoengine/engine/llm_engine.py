@@ -30,16 +30,12 @@ from nanoengine.engine.output_processor import OutputProcessor, ParentRequest
 from nanoengine.outputs import RequestMetrics, RequestOutput
 from nanoengine.renderers.hf import HfRenderer, PromptType, RenderedPrompt
 from nanoengine.sampling_params import SamplingParams
-from nanoengine.trace import EngineTrace
 from nanoengine.transformers_utils.config import get_tokenizer
 from nanoengine.transformers_utils.tokenizer import get_generation_eos_ids
-from nanoengine.utils.component_tree import TreeNode
 
 
-class LLMEngine(TreeNode):
+class LLMEngine:
     """Adds requests, steps the engine, returns RequestOutputs (vLLM's offline API)."""
-
-    tree_children = ("renderer", "input_processor", "output_processor", "engine_core")
 
     def __init__(self, engine_config: EngineConfig, multiprocess_mode: bool = False, asyncio_mode: bool = False) -> None:
         self.engine_config = engine_config
@@ -163,11 +159,6 @@ class LLMEngine(TreeNode):
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
-
-    @property
-    def trace(self) -> EngineTrace | None:
-        """Per-step scheduling and KV cache trace (``trace=True``), kept by the engine core."""
-        return self.engine_core.get_trace()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

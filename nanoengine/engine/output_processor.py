@@ -24,7 +24,6 @@ from nanoengine.engine.logprobs import LogprobsProcessor
 from nanoengine.logprobs import PromptLogprobs
 from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind
-from nanoengine.utils.component_tree import TreeNode
 
 
 @dataclass
@@ -124,19 +123,14 @@ class OutputProcessorOutput:
     reqs_to_abort: list[str]
 
 
-class OutputProcessor(TreeNode):
+class OutputProcessor:
     """Tracks every live request on the front-end side."""
-
-    tree_children = ()
 
     def __init__(self, tokenizer: Any | None) -> None:
         # None (skip_tokenizer_init): outputs carry token ids and empty text.
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
-
-    def tree_label_extra(self) -> str | None:
-        return f"live requests={len(self.parents)}"
 
     def add_request(self, parent: ParentRequest, request: EngineCoreRequest, index: int) -> None:
         """Register one sample of ``parent`` (call once per child, in index order)."""

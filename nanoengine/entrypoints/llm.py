@@ -6,6 +6,11 @@ vLLM 0.32 counterpart: ``vllm/entrypoints/llm.py`` (``LLM``: ``generate``, ``cha
 ``_validate_and_add_requests``, ``_run_engine``).
 
 A vLLM offline script that uses this subset runs by changing only its import.
+
+This class is where the teaching instruments meet the engine from outside
+(``nanoengine/instruments/``): ``print(llm)`` draws the component tree, and
+``llm.trace`` reads the step tracer that the instruments' plugin attached to
+the engine core. Nothing under ``engine/`` or ``core/`` imports them.
 """
 
 from __future__ import annotations
@@ -16,22 +21,22 @@ from typing import Any
 
 from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.instruments.component_tree import install_tree_printing
+from nanoengine.instruments.trace import EngineTrace, trace_of
 from nanoengine.outputs import RequestOutput
+from nanoengine.plugins import PLUGINS_ENV
 from nanoengine.renderers.hf import ChatMessage, PromptType, RenderedPrompt
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams
-from nanoengine.trace import EngineTrace
-from nanoengine.utils.component_tree import TreeNode
 
 
-class LLM(TreeNode):
+class LLM:
     """Builds the whole engine at construction; each call runs it to completion."""
-
-    tree_children = ("llm_engine",)
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs: Any) -> None:
         engine_args = EngineArgs.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
+        install_tree_printing()  # print(llm), print(llm.llm_engine): the tree of chapter 5
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
@@ -41,9 +46,18 @@ class LLM(TreeNode):
         """What each engine step scheduled, allocated and preempted (chapters 3-4).
 
         None unless built with ``trace=True`` (or ``NANOENGINE_TRACE=1``). The
-        engine core owns the trace; this reaches it through the client.
+        recorder watches the in-process engine core's scheduler from outside.
         """
-        return self.llm_engine.trace
+        if not self.llm_engine.engine_config.observability_config.trace:
+            return None
+        trace = trace_of(self.llm_engine.engine_core.get_engine_core())
+        if trace is None:
+            raise RuntimeError(
+                "trace=True, but no step recorder was attached: the engine core plugin 'instruments' "
+                f"did not run (it is not installed, or {PLUGINS_ENV} leaves it out). Install the package "
+                "(pip install -e .) and leave NANOENGINE_PLUGINS unset, or list 'instruments' in it."
+            )
+        return trace
 
     def generate(
         self,

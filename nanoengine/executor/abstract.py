@@ -33,7 +33,6 @@ from typing import Any, Literal, overload
 from nanoengine.config import EngineConfig
 from nanoengine.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from nanoengine.utils.component_tree import TreeNode
 from nanoengine.worker.worker import MemoryProfile, Worker
 
 # distributed_executor_backend -> (module, class), imported only when chosen: an
@@ -52,7 +51,7 @@ def _memory_profile_of(worker: Worker) -> MemoryProfile | None:
     return worker.memory_profile
 
 
-class Executor(TreeNode, ABC):
+class Executor(ABC):
     """The engine core's one handle on its workers."""
 
     @staticmethod

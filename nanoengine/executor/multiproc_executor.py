@@ -57,7 +57,6 @@ from typing import Any, cast
 
 from nanoengine.config import EngineConfig
 from nanoengine.executor.abstract import Executor
-from nanoengine.utils.component_tree import TreeNode
 from nanoengine.utils.system_utils import (
     describe_exit_code,
     encode_startup,
@@ -88,7 +87,7 @@ class WorkerStartup:
     rpc_fd: int  # the worker's end of its call/answer pipe (a socket kept open across exec)
 
 
-class WorkerProcHandle(TreeNode):
+class WorkerProcHandle:
     """The parent's view of one worker process: its rank, its process, its pipe."""
 
     def __init__(self, rank: int, process: subprocess.Popen[bytes], connection: Connection) -> None:
@@ -117,10 +116,6 @@ class WorkerProcHandle(TreeNode):
         except subprocess.TimeoutExpired:
             return "still running"
 
-    def tree_label_extra(self) -> str:
-        code = self.process.poll()
-        state = "" if code is None else f" ({describe_exit_code(code)})"
-        return f"rank={self.rank} pid={self.process.pid}{state}"
 
 
 @dataclass
@@ -136,8 +131,6 @@ class _PendingCall:
 
 class MultiprocExecutor(Executor):
     """Starts one worker process per rank; broadcasts calls; answers with rank 0's output."""
-
-    tree_children = ("workers",)
 
     def _init_executor(self) -> None:
         # Stops the workers when this object is collected or the interpreter
@@ -170,9 +163,6 @@ class MultiprocExecutor(Executor):
             name="MultiprocExecutorReplies", daemon=True,
         )
         self._reply_thread.start()
-
-    def tree_label_extra(self) -> str:
-        return f"tensor_parallel_size={self.parallel_config.tensor_parallel_size}"
 
     def _wait_for_ready(self) -> None:
         """Each worker's first answer: ready (after init_device and load_model), or its traceback."""

@@ -50,7 +50,6 @@ from nanoengine.executor.ray_utils import (
     start_actor,
     wait_for_ranks,
 )
-from nanoengine.utils.component_tree import TreeNode
 from nanoengine.worker.worker_base import method_name
 
 # Joining the group and loading a slice of the weights happen before a rank is
@@ -59,7 +58,7 @@ from nanoengine.worker.worker_base import method_name
 STARTUP_TIMEOUT_S = 600.0
 
 
-class RayWorkerHandle(TreeNode):
+class RayWorkerHandle:
     """The engine's view of one rank: its actor, and where Ray started it."""
 
     def __init__(self, rank: int, local_rank: int, actor: Any, placement: ActorPlacement) -> None:
@@ -68,14 +67,10 @@ class RayWorkerHandle(TreeNode):
         self.actor = actor  # a ray.actor.ActorHandle of a RayWorkerWrapper
         self.placement = placement
 
-    def tree_label_extra(self) -> str:
-        return f"rank={self.rank} pid={self.placement.pid} node={self.placement.node_ip}"
 
 
 class RayDistributedExecutor(Executor):
     """One Ray actor per tensor-parallel rank; calls go to all, rank 0's output comes back."""
-
-    tree_children = ("workers",)
 
     def _init_executor(self) -> None:
         self.workers: list[RayWorkerHandle] = []
@@ -94,9 +89,6 @@ class RayDistributedExecutor(Executor):
             # A failed start leaves no actor, reserved CPU/GPU or Ray cluster behind.
             self.shutdown()
             raise
-
-    def tree_label_extra(self) -> str:
-        return f"tensor_parallel_size={self.parallel_config.tensor_parallel_size}"
 
     def _start_workers(self) -> None:
         device_type = self.engine_config.device_config.device

@@ -25,8 +25,6 @@ from nanoengine.worker.worker_base import run_method
 class UniProcExecutor(Executor):
     """Creates the worker and runs its construction steps in chapter-6 order."""
 
-    tree_children = ("driver_worker",)
-
     def _init_executor(self) -> None:
         # One thread is enough: steps are sequential, the thread exists so the
         # engine thread can work while a forward pass runs.

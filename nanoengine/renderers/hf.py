@@ -16,7 +16,6 @@ from typing import Any, TypedDict
 
 # Re-exported: code written before nanoengine/inputs.py imports them from here.
 from nanoengine.inputs import PromptType, TextPrompt, TokensPrompt
-from nanoengine.utils.component_tree import TreeNode
 
 __all__ = ["ChatMessage", "HfRenderer", "PromptType", "RenderedPrompt", "TextPrompt", "TokensPrompt"]
 
@@ -30,10 +29,8 @@ class RenderedPrompt(TypedDict):
     prompt_token_ids: list[int]
 
 
-class HfRenderer(TreeNode):
+class HfRenderer:
     """Tokenizes text prompts and applies the model's chat template."""
-
-    tree_children = ()
 
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer  # None: skip_tokenizer_init=True, token ids only

@@ -27,16 +27,13 @@ from nanoengine.core.sched.output import GrammarOutput, SchedulerOutput
 from nanoengine.request import Request
 from nanoengine.sampling_params import StructuredOutputsParams
 from nanoengine.structured_output.request import StructuredOutputGrammar, StructuredOutputRequest
-from nanoengine.utils.component_tree import TreeNode
 
 if TYPE_CHECKING:  # the backend imports xgrammar, which is loaded on first use only
     from nanoengine.structured_output.backend_xgrammar import XgrammarBackend
 
 
-class StructuredOutputManager(TreeNode):
+class StructuredOutputManager:
     """Compiles grammars off the engine thread and produces per-step token bitmasks."""
-
-    tree_children = ()
 
     def __init__(self, engine_config: EngineConfig) -> None:
         self.model_path = engine_config.model_config.model_path
@@ -49,11 +46,6 @@ class StructuredOutputManager(TreeNode):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoengine-grammar")
         # Live structured requests by id; dropped once the scheduler reports them finished.
         self._requests: dict[str, Request] = {}
-
-    def tree_label_extra(self) -> str | None:
-        return (
-            f"backend={'xgrammar' if self._backend else 'xgrammar (not loaded)'} live={len(self._requests)}"
-        )
 
     def grammar_init(self, request: Request) -> None:
         """Start compiling ``request``'s grammar; it stays blocked until done."""

@@ -1,14 +1,14 @@
 """Small helpers that serve the whole engine rather than one chapter.
 
-``component_tree`` makes the engine objects print as a tree of their components,
-each with the file and line that define and create it: chapter 5's "source map",
-computed from the running engine instead of typed into the notes by hand.
-vLLM 0.32 counterpart: ``vllm/utils/`` (a grab bag of helpers); nothing there
-draws such a tree.
+vLLM 0.32 counterpart: ``vllm/utils/`` (a grab bag of helpers). The teaching
+instruments (the component tree, source locations, method taps) have a package
+of their own, ``nanoengine/instruments/``.
 
-``math_utils`` (``cdiv``) and ``mem_utils`` (``format_bytes``) are named after
-their vLLM counterparts and import nothing, so ``nanoengine/core`` may use them.
+``math_utils`` (``cdiv``: how many blocks a prompt needs, chapter 4) and
+``mem_utils`` (``format_bytes``: chapter 6's memory figures) are named after
+their vLLM counterparts and import nothing, so ``nanoengine/core`` may use them;
+``system_utils`` starts and watches the processes of chapters 6 and 8.
 
 The package stays empty on purpose: importing ``nanoengine.utils.<module>`` should
-pay only for that module (``component_tree`` pulls in rich, others may pull torch).
+pay only for that module.
 """

@@ -65,8 +65,6 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: AttentionMetadata
-    # Scheduled requests in batch order (decodes first, then prefills).
-    req_ids: list[str]
     # Rows of the hidden states whose logits are needed: the last scheduled token
     # of each request that reaches the end of its known tokens this step.
     logits_indices: torch.Tensor  # [num_sampling_reqs] int64
@@ -201,7 +199,6 @@ def prepare_inputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
         positions=positions_t.to(device),
         attn_metadata=attn_metadata,
-        req_ids=[s.req_id for s in states],
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
         sampling_req_ids=sampling_req_ids,
     )

@@ -48,7 +48,6 @@ from nanoengine.sample.metadata import SamplingMetadata
 from nanoengine.sample.penalties import PenaltyInputs, pad_token_ids
 from nanoengine.sample.sampler import Sampler
 from nanoengine.sampling_params import SamplingParams
-from nanoengine.utils.component_tree import TreeNode
 from nanoengine.utils.math_utils import cdiv
 from nanoengine.worker.cudagraph_dispatcher import (
     CudagraphDispatcher,
@@ -97,10 +96,8 @@ class _PendingSample:
     prompt_logits: torch.Tensor | None = None
 
 
-class ModelRunner(TreeNode):
+class ModelRunner:
     """Owns the model, the KV cache tensors and the worker's request states."""
-
-    tree_children = ("model", "kv_caches", "sampler")
 
     def __init__(self, engine_config: EngineConfig, device: torch.device) -> None:
         self.engine_config = engine_config
@@ -369,11 +366,6 @@ class ModelRunner(TreeNode):
         model = self._model()
         hidden = model(inputs.input_ids, inputs.positions, inputs.attn_metadata)  # [num_tokens, hidden]
         return model.compute_logits(hidden[rows])
-
-    @property
-    def pending_logits(self) -> torch.Tensor | None:
-        """[num_sampling_reqs, vocab] logits waiting for sample_tokens, if any."""
-        return None if self._pending is None else self._pending.logits
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:

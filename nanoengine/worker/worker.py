@@ -29,7 +29,6 @@ from nanoengine.distributed.parallel_state import (
     initialize_model_parallel,
 )
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from nanoengine.utils.component_tree import TreeNode
 from nanoengine.utils.system_utils import usable_cpu_count
 from nanoengine.worker.memory_probe import PeakMemoryProbe
 from nanoengine.worker.model_runner import ModelRunner
@@ -69,10 +68,8 @@ class MemoryProfile:
         )
 
 
-class Worker(TreeNode):
+class Worker:
     """One device, one model runner; under tensor parallelism, one rank."""
-
-    tree_children = ("model_runner",)
 
     def __init__(
         self,
@@ -98,9 +95,6 @@ class Worker(TreeNode):
         self.device = torch.device(f"cuda:{local_rank}" if device == "cuda" and self.world_size > 1 else device)
         self.model_runner: ModelRunner | None = None
         self.memory_profile: MemoryProfile | None = None
-
-    def tree_label_extra(self) -> str | None:
-        return f"rank={self.rank}/{self.world_size}" if self.world_size > 1 else None
 
     def init_device(self) -> None:
         """Pick the device, join the tensor-parallel group, seed every random stream.

@@ -66,13 +66,10 @@ from nanoengine.distributed.kv_transfer.scheduler_side import SharedStorageConne
 from nanoengine.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import Request, RequestStatus
-from nanoengine.utils.component_tree import TreeNode
 
 
-class Scheduler(TreeNode):
+class Scheduler:
     """vLLM V1's scheduler: one token budget, running requests first."""
-
-    tree_children = ("kv_cache_manager",)
 
     def __init__(
         self,
@@ -514,9 +511,6 @@ class Scheduler(TreeNode):
         ``has_unfinished_requests``, so IGNORED outputs are not stranded.
         """
         return self.has_unfinished_requests() or bool(self.finished_req_ids) or bool(self._pending_outputs)
-
-    def tree_label_extra(self) -> str:
-        return f"policy={self.policy.value} running={len(self.running)} waiting={len(self.waiting)}"
 
     def get_request_counts(self) -> tuple[int, int]:
         """(num_running, num_waiting)."""

@@ -6,35 +6,39 @@ which owns an ``EngineCoreClient``, which owns an ``EngineCore``, which owns a
 where its owner creates it. Typed by hand, such a map goes stale with the first
 edit. Here it is computed from the live objects every time it is printed:
 
-* a class opts in by naming its component attributes in ``tree_children``; an
-  attribute holding a tuple or list of such components (the KV cache
-  coordinator's one manager per group) shows each of them, as ``name[i]``;
+* ``COMPONENTS`` says, as data, which attributes of each engine class are its
+  components (and what short live detail to show beside it). The engine classes
+  themselves carry nothing for the tree: the registry names them from here. An
+  attribute holding a tuple or list of components (the KV cache coordinator's
+  one manager per group) shows each of them, as ``name[i]``;
 * ``defined_at`` is the ``class`` line, found through ``inspect``;
 * ``created_at`` is the ``self.<attr> = ...`` line in the owner's class (or one of
   its base classes), found by parsing that source with ``ast``.
 
-``print(llm)`` shows the tree as plain text, ``rich.print(llm)`` in colour, and
-``build_component_tree(llm).to_dict()`` gives the same facts as JSON-ready data.
+``tree_to_text(llm)`` gives plain text, ``render_component_tree(llm)`` a rich tree,
+``build_component_tree(llm).to_dict()`` the same facts as JSON-ready data.
+``install_tree_printing()`` (the ``LLM`` calls it) makes ``print(obj)`` and
+``rich.print(obj)`` draw the tree for every registered class, from outside.
 
 vLLM 0.32 counterpart: none. vLLM's objects print as ordinary reprs; this module
-replaces the hand-made map in the study notes. Nothing here imports torch, so the
-torch-free ``nanoengine/core/`` classes can opt in too.
+replaces the hand-made map in the study notes.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, TypeGuard
+from typing import Any, TypeGuard
 
+import msgspec
 from rich.console import Console
 from rich.text import Text
 from rich.tree import Tree
 
-# Re-exported: callers of the tree also use the source locations it shows.
-from nanoengine.utils.source_locations import (  # noqa: F401
+from nanoengine.instruments.source_locations import (  # noqa: F401
     PACKAGE_DIR,
     SourceLocation,
     attribute_created_at,
@@ -42,6 +46,9 @@ from nanoengine.utils.source_locations import (  # noqa: F401
     code_location,
     format_location,
 )
+
+# Re-exported: callers of the tree also use the source locations it shows.
+from nanoengine.utils.system_utils import describe_exit_code
 
 DEFAULT_MAX_DEPTH = 16
 UNSET = "<unset>"  # shown in place of a class name when a component is still None
@@ -67,61 +74,146 @@ class ComponentNode:
         return asdict(self)
 
 
-class TreeNode:
-    """Mixin for engine components that print as a component tree.
+@dataclass(frozen=True)
+class Component:
+    """How the tree shows one class: its component attributes and a live detail."""
 
-    Subclasses list their component attributes, in display order::
+    children: tuple[str, ...] = ()  # attribute names, in display order
+    detail: Callable[[Any], object] | None = None  # obj -> a short note, e.g. "free=12"
+    # For a stand-in of an object in another process (chapter 8): fetches that
+    # object's own tree, built there, as ``ComponentNode.to_dict()`` data.
+    fetch: Callable[[Any], dict[str, Any]] | None = None
 
-        class EngineCore(TreeNode):
-            tree_children = ("model_executor", "scheduler")
 
-    ``__repr__`` is left alone on purpose: debuggers and log lines want one short line.
+def _running_waiting(core: Any) -> str:
+    running, waiting = core.scheduler.get_request_counts()
+    return f"running={running} waiting={waiting}"
+
+
+def _fetch_remote_tree(remote: Any) -> dict[str, Any]:
+    tree: dict[str, Any] = remote.client.call_utility("component_tree")
+    tree["note"] = f"in process {remote.pid}, reached over ZMQ; this side is process {os.getpid()}"
+    return tree
+
+
+def _worker_process(handle: Any) -> str:
+    code = handle.process.poll()
+    state = "" if code is None else f" ({describe_exit_code(code)})"
+    return f"rank={handle.rank} pid={handle.process.pid}{state}"
+
+
+def _grammars(manager: Any) -> str:
+    # An instrument may read private state: it only looks.
+    return f"backend={'xgrammar' if manager._backend else 'xgrammar (not loaded)'} live={len(manager._requests)}"
+
+
+def _tp_size(executor: Any) -> str:
+    return f"tensor_parallel_size={executor.parallel_config.tensor_parallel_size}"
+
+
+# Keyed by the class's module and name rather than by the class, so that this
+# table imports no engine module (Ray's executor, say, is imported only when used).
+# A subclass not listed takes its nearest listed base's entry (AsyncScheduler
+# shows as a Scheduler would).
+COMPONENTS: dict[str, Component] = {
+    "nanoengine.entrypoints.llm.LLM": Component(("llm_engine",)),
+    "nanoengine.engine.llm_engine.LLMEngine": Component(
+        ("renderer", "input_processor", "output_processor", "engine_core")
+    ),
+    "nanoengine.renderers.hf.HfRenderer": Component(),
+    "nanoengine.engine.input_processor.InputProcessor": Component(),
+    "nanoengine.engine.output_processor.OutputProcessor": Component(
+        detail=lambda processor: f"live requests={len(processor.parents)}"
+    ),
+    "nanoengine.engine.core_client.InprocClient": Component(("engine_core",)),
+    "nanoengine.engine.core_client.MPClient": Component(("engine_core",)),
+    "nanoengine.engine.core_client.RemoteEngineCore": Component(fetch=_fetch_remote_tree),
+    "nanoengine.engine.core.EngineCore": Component(
+        ("model_executor", "structured_output_manager", "scheduler"), _running_waiting
+    ),
+    "nanoengine.executor.abstract.Executor": Component(),
+    "nanoengine.executor.uniproc_executor.UniProcExecutor": Component(("driver_worker",)),
+    "nanoengine.executor.multiproc_executor.MultiprocExecutor": Component(("workers",), _tp_size),
+    "nanoengine.executor.multiproc_executor.WorkerProcHandle": Component(detail=_worker_process),
+    "nanoengine.executor.ray_executor.RayDistributedExecutor": Component(("workers",), _tp_size),
+    "nanoengine.executor.ray_executor.RayWorkerHandle": Component(
+        detail=lambda handle: f"rank={handle.rank} pid={handle.placement.pid} node={handle.placement.node_ip}"
+    ),
+    "nanoengine.worker.worker.Worker": Component(
+        ("model_runner",), lambda worker: f"rank={worker.rank}/{worker.world_size}" if worker.world_size > 1 else None
+    ),
+    "nanoengine.worker.model_runner.ModelRunner": Component(("model", "kv_caches", "sampler")),
+    "nanoengine.structured_output.StructuredOutputManager": Component(detail=_grammars),
+    "nanoengine.core.sched.scheduler.Scheduler": Component(
+        ("kv_cache_manager",),
+        lambda s: f"policy={s.policy.value} running={len(s.running)} waiting={len(s.waiting)}",
+    ),
+    "nanoengine.core.kv_cache_manager.KVCacheManager": Component(("coordinator",)),
+    "nanoengine.core.kv_cache_coordinator.KVCacheCoordinator": Component(("single_type_managers",)),
+    "nanoengine.core.single_type_kv_cache_manager.SingleTypeKVCacheManager": Component(
+        ("block_pool",),
+        lambda m: f"group={m.kv_cache_group_id} layers={m.num_layers} block_size={m.block_size}",
+    ),
+    "nanoengine.core.block_pool.BlockPool": Component(
+        detail=lambda pool: f"num_blocks={pool.num_blocks} free={pool.get_num_free_blocks()}"
+    ),
+}
+
+
+def _qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_component(
+    cls: type, children: tuple[str, ...] = (), detail: Callable[[Any], object] | None = None
+) -> None:
+    """Add (or replace) the entry of ``cls``: a class of your own shows in trees too."""
+    if not isinstance(children, tuple) or not all(isinstance(name, str) for name in children):
+        # The classic slip is ("scheduler") without the comma: a str, not a tuple.
+        raise TypeError(f"{cls.__qualname__}: children must be a tuple of attribute names, got {children!r}")
+    COMPONENTS[_qualified_name(cls)] = Component(children, detail)
+
+
+def component_of(obj: object) -> Component | None:
+    """The entry of ``obj``'s class or of its nearest listed base; None for a leaf."""
+    for cls in _shown_class(obj).__mro__:
+        entry = COMPONENTS.get(_qualified_name(cls))
+        if entry is not None:
+            return entry
+    return None
+
+
+def install_tree_printing() -> None:
+    """Make ``print(obj)`` and ``rich.print(obj)`` draw the tree of every listed class.
+
+    Only classes already imported are touched (importing the others, Ray's
+    among them, would cost more than it shows). ``__repr__`` is left alone on
+    purpose: debuggers and log lines want one short line.
     """
-
-    tree_children: ClassVar[tuple[str, ...]] = ()
-
-    def tree_label_extra(self) -> str | None:
-        """A short live detail shown next to the node; override to add one."""
-        return None
-
-    def __rich__(self) -> Tree:
-        return render_component_tree(self)
-
-    def __str__(self) -> str:
-        return tree_to_text(self)
+    for name in COMPONENTS:
+        module_name, _, class_name = name.rpartition(".")
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if isinstance(cls, type):
+            cls.__str__ = tree_to_text  # type: ignore[assignment,method-assign]
+            cls.__rich__ = render_component_tree  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------- build
-def _tree_children_of(obj: object) -> tuple[str, ...] | None:
-    """The attribute names ``obj`` shows as children; None when it is a leaf."""
-    names = getattr(type(obj), "tree_children", None)
-    if names is None:
-        return None
-    if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
-        # The classic slip is ("scheduler") without the comma: a str, not a tuple.
-        raise TypeError(
-            f"{type(obj).__qualname__}.tree_children must be a tuple of attribute "
-            f"names, got {names!r}"
-        )
-    return names
-
-
 def _shown_class(obj: object) -> type:
     # A component may be a class rather than an instance (an attention backend is
     # chosen as a class); then the class itself is what the reader wants to find.
     return obj if isinstance(obj, type) else type(obj)
 
 
-def _live_detail(obj: object) -> str | None:
-    """The ``tree_label_extra`` of a node, or a size for well-known leaves."""
+def _live_detail(obj: object, entry: Component | None) -> str | None:
+    """The entry's detail of a node, or a size for well-known leaves."""
     if isinstance(obj, type):
         return "the class itself"
-    hook = getattr(obj, "tree_label_extra", None)
-    if callable(hook):
+    if entry is not None and entry.detail is not None:
         try:
-            detail = hook()
+            detail = entry.detail(obj)
         except Exception as exc:  # printing must never be what crashes the engine
-            return f"tree_label_extra raised {type(exc).__name__}: {exc}"
+            return f"detail raised {type(exc).__name__}: {exc}"
         return None if detail is None else str(detail)
     torch = sys.modules.get("torch")  # only if someone else already paid to import it
     if torch is not None and isinstance(obj, torch.nn.Module):
@@ -142,18 +234,18 @@ class _Builder:
              path: str, depth: int) -> ComponentNode:
         if obj is None:
             return ComponentNode(attr, UNSET, None, created_at)
-        remote = getattr(obj, "remote_component_node", None)
-        if callable(remote):
-            # A component in another process (chapter 8): it builds its own tree there.
-            fetched: ComponentNode = remote()
+        entry = component_of(obj)
+        if entry is not None and entry.fetch is not None:
+            # A component in another process (chapter 8): its tree is built there.
+            fetched = msgspec.convert(entry.fetch(obj), ComponentNode)
             fetched.attr, fetched.created_at = attr, created_at
             return fetched
         cls = _shown_class(obj)
-        names = _tree_children_of(obj)
+        names = None if entry is None else entry.children
         # Leaves from torch or the stdlib need no address: their type name says enough.
         in_package = cls.__module__.partition(".")[0] == PACKAGE_DIR.name
         defined_at = class_defined_at(cls) if names is not None or in_package else None
-        node = ComponentNode(attr, cls.__name__, defined_at, created_at, _live_detail(obj))
+        node = ComponentNode(attr, cls.__name__, defined_at, created_at, _live_detail(obj, entry))
         if names is None:
             return node
         if id(obj) in self.shown:
@@ -185,12 +277,8 @@ class _Builder:
 
 
 def _is_component_sequence(value: object) -> TypeGuard[tuple[object, ...] | list[object]]:
-    """A non-empty tuple or list whose every element is a component (has ``tree_children``)."""
-    return (
-        isinstance(value, (tuple, list))
-        and bool(value)
-        and all(_tree_children_of(element) is not None for element in value)
-    )
+    """A non-empty tuple or list whose every element is a component (has an entry)."""
+    return isinstance(value, (tuple, list)) and bool(value) and all(component_of(e) is not None for e in value)
 
 
 def build_component_tree(obj: object, *, max_depth: int = DEFAULT_MAX_DEPTH) -> ComponentNode:

@@ -4,9 +4,10 @@ After ``LLM(...)`` has profiled the model and sized the KV cache, this report
 puts the pieces side by side: weights, peak activations of the profiling pass,
 memory outside torch, CUDA graphs, and the KV cache that remains -- then what
 the KV cache buys: blocks, tokens, and how many ``max_model_len`` requests fit
-at once. ``EngineCore`` keeps one (``engine_core.memory_report``); it is logged
-at INFO level on the ``nanoengine`` logger at start-up (silent by default, so
-tests stay quiet) and printed by ``python -m chapters.ch06_construction``.
+at once. ``memory_report_of(core)`` builds it from a live in-process
+``EngineCore`` (its executor's ``memory_profile`` and its ``kv_cache_config``);
+``python -m chapters.ch06_construction`` prints it. The engine itself logs
+only vLLM's two plain start-up lines (``EngineCore._log_kv_cache_size``).
 vLLM 0.32 counterpart: the start-up log lines of ``vllm/v1/worker/gpu_worker.py``
 (``determine_available_memory``: "Memory profiling takes ... model weights took
 ... the rest of the memory reserved for KV Cache is ...") and
@@ -17,14 +18,17 @@ concurrency for ... tokens per request: ...x").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rich.console import Console
 from rich.table import Table
 
 from nanoengine.core.kv_cache_sizing import max_concurrency
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.utils.mem_utils import format_bytes
 from nanoengine.worker.worker import MemoryProfile
+
+if TYPE_CHECKING:
+    from nanoengine.engine.core import EngineCore
 
 
 @dataclass
@@ -82,6 +86,14 @@ class MemoryReport:
         return rows
 
 
+def memory_report_of(core: EngineCore) -> MemoryReport | None:
+    """The report of a built engine core; None when its executor kept no profile."""
+    profile = core.model_executor.memory_profile
+    if profile is None:
+        return None
+    return MemoryReport(profile, core.kv_cache_config, core.engine_config.model_config.max_model_len)
+
+
 def memory_table(report: MemoryReport) -> Table:
     """The report as a rich table."""
     table = Table(
@@ -93,11 +105,3 @@ def memory_table(report: MemoryReport) -> Table:
     for row in report.rows():
         table.add_row(*row)
     return table
-
-
-def render_memory_table(report: MemoryReport, width: int = 140) -> str:
-    """The table as plain text, for a log line."""
-    console = Console(width=width, record=True, file=None, force_terminal=False, color_system=None)
-    with console.capture() as capture:
-        console.print(memory_table(report))
-    return capture.get()

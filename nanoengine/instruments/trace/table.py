@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from nanoengine.trace.data import EngineTrace, ScheduledChunk, StepTrace
+from nanoengine.instruments.trace.data import EngineTrace, ScheduledChunk, StepTrace
 
 _KIND_LETTER = {"prefill": "P", "decode": "D", "recompute": "R"}
 

@@ -5,7 +5,7 @@ one needs the facts at the moment they are made: which request got how many
 tokens, which blocks it received, who was preempted and why, which cached block
 was evicted. Rather than sprinkling calls through ``Scheduler.schedule()``,
 ``TraceRecorder.attach(scheduler)`` taps a few methods of that one scheduler,
-its KV cache manager and its block pool (``nanoengine/utils/method_taps.py``):
+its KV cache manager and its block pool (``nanoengine/instruments/method_taps.py``):
 
 * ``Scheduler.add_request``: an arrival;
 * ``Scheduler.schedule``: the step's chunks, read off the ``SchedulerOutput``,
@@ -31,17 +31,23 @@ replay a run.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING
 
+from nanoengine.instruments.method_taps import tap
+from nanoengine.instruments.trace.data import EngineTrace, Preemption, ScheduledChunk, StepTrace
 from nanoengine.request import Request, RequestStatus
-from nanoengine.trace.data import EngineTrace, Preemption, ScheduledChunk, StepTrace
-from nanoengine.utils.method_taps import tap
 
 if TYPE_CHECKING:  # annotations only: the recorder watches these, it does not build them
     from nanoengine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from nanoengine.core.kv_cache_utils import KVCacheBlock
     from nanoengine.core.sched.output import SchedulerOutput
     from nanoengine.core.sched.scheduler import Scheduler
+    from nanoengine.engine.core import EngineCore
+
+# The recorder of each traced engine core (the instruments' plugin attaches them);
+# weak keys, so a core that is gone takes its trace with it.
+_RECORDERS: weakref.WeakKeyDictionary[EngineCore, TraceRecorder] = weakref.WeakKeyDictionary()
 
 # Why a running request lost its blocks (``Preemption.reason``).
 PREEMPT_OUT_OF_BLOCKS = "out of KV blocks"
@@ -189,3 +195,15 @@ def _chunk_kind(request: Request, start: int, num_new_tokens: int, is_new: bool)
     if request.num_preemptions > 0 and (is_new or not is_decode):
         return "recompute"
     return "decode" if is_decode else "prefill"
+
+
+def record_steps_of(core: EngineCore) -> TraceRecorder:
+    """Attach a recorder to ``core``'s scheduler; ``trace_of(core)`` reads it from then on."""
+    recorder = _RECORDERS[core] = TraceRecorder.attach(core.scheduler)
+    return recorder
+
+
+def trace_of(core: EngineCore) -> EngineTrace | None:
+    """The step trace of ``core`` (still growing as steps run), or None when nobody records it."""
+    recorder = _RECORDERS.get(core)
+    return None if recorder is None else recorder.trace

@@ -5,26 +5,20 @@ list of steps: in step 7 the budget of 64 tokens went to three decodes and a
 61-token prefill chunk, request 4 got blocks [12, 13], request 2 was preempted
 for lack of blocks, KV usage was 94%. These classes hold exactly that, with no
 rendering attached, so tests and notebooks can assert on them;
-``nanoengine/trace/table.py`` prints them and ``nanoengine/trace/timeline.py``
+``nanoengine/instruments/trace/table.py`` prints them and ``nanoengine/instruments/trace/timeline.py``
 draws them.
 
 ``EngineTrace.request_timelines()`` folds the steps into one row per request
 (waiting, prefill, decode, recompute, preempted, stalled; then finished), the
 shape of the timeline picture.
 
-vLLM 0.32 counterpart: none (see ``nanoengine/trace/recorder.py``).
+vLLM 0.32 counterpart: none (see ``nanoengine/instruments/trace/recorder.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pathlib import Path
-
-    from rich.table import Table
 
 # Row states of a request's timeline, in the order a legend lists them.
 TIMELINE_STATES = ("waiting", "prefill", "recompute", "decode", "stalled", "preempted")
@@ -183,18 +177,6 @@ class EngineTrace:
             )
             for request_id in order
         ]
-
-    def to_table(self, last: int | None = None, title: str | None = None) -> Table:
-        """A rich table of the steps (the ``last`` ones only, if given)."""
-        from nanoengine.trace.table import trace_table  # rich is imported on use only
-
-        return trace_table(self, last=last, title=title)
-
-    def save_timeline(self, path: str | Path, title: str | None = None) -> list[Path]:
-        """Draw the timeline picture; writes ``path`` as .png and .svg (needs ``[plot]``)."""
-        from nanoengine.trace.timeline import save_timeline  # matplotlib is optional
-
-        return save_timeline(self, path, title=title)
 
 
 def _merge(step_states: list[tuple[int, str]]) -> list[Segment]:

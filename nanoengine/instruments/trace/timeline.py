@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nanoengine.trace.data import TIMELINE_STATES, EngineTrace
+from nanoengine.instruments.trace.data import TIMELINE_STATES, EngineTrace
 
 _COLORS = {
     "waiting": "#c7c7c7",

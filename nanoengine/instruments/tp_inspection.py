@@ -35,10 +35,10 @@ import torch
 from torch import nn
 
 from nanoengine.distributed.parallel_state import GroupCoordinator, get_tp_group
+from nanoengine.instruments.method_taps import tap
 from nanoengine.model_executor.layers.cpu_linear import PackableLinear
 from nanoengine.model_executor.layers.linear import LinearBase
 from nanoengine.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from nanoengine.utils.method_taps import tap
 from nanoengine.worker.worker import Worker
 
 COLLECTIVES = ("all_reduce", "all_gather")

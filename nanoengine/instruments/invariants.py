@@ -26,9 +26,9 @@ the bookkeeping must guarantee after every step:
   delivers its token before the next ``schedule()`` could re-admit it.
 
 ``check_invariants(scheduler)`` runs them all; with ``check_invariants=True``
-(or ``NANOENGINE_CHECK_INVARIANTS=1``) the engine runs it after each step and
-each abort (``check_invariants_after_each_update``), and every engine test
-turns that on. Cost: O(blocks referenced) plus, for pools up
+(or ``NANOENGINE_CHECK_INVARIANTS=1``) the instruments' engine core plugin
+(``plugin.py``) attaches ``check_invariants_after_each_update``, which runs
+them after each step and each abort, and every engine test turns that on. Cost: O(blocks referenced) plus, for pools up
 to ``FULL_WALK_MAX_BLOCKS``, one pass over the whole pool.
 
 vLLM 0.32 counterpart: none; vLLM's tests assert pieces of this
@@ -44,8 +44,8 @@ from nanoengine.core.kv_cache_coordinator import KVCacheCoordinator
 from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from nanoengine.instruments.method_taps import tap
 from nanoengine.request import Request, RequestStatus
-from nanoengine.utils.method_taps import tap
 
 
 class InvariantViolation(AssertionError):
@@ -211,7 +211,7 @@ def check_invariants(scheduler: Scheduler) -> None:
 def check_invariants_after_each_update(scheduler: Scheduler) -> None:
     """Run ``check_invariants`` whenever a step ends or requests are aborted.
 
-    The checks watch from outside (``nanoengine/utils/method_taps.py``): a
+    The checks watch from outside (``nanoengine/instruments/method_taps.py``): a
     step ends with ``update_from_output`` and an abort is ``finish_requests``,
     so the scheduler's own code has no checking in it.
     """

@@ -23,9 +23,10 @@ per-request ``EngineCoreEvent`` timestamps.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 
@@ -63,8 +64,7 @@ def tap(
 def time_calls(obj: object, names: Iterable[str], seconds: dict[str, float]) -> None:
     """Tap each method ``names`` of ``obj`` so that ``seconds[name]`` holds its last call's duration.
 
-    Entries appear in the order the calls happen. Chapter 6 times the
-    construction steps of ``EngineCore`` this way.
+    Entries appear in the order the calls happen.
     """
     for name in names:
         _time_one(obj, name, seconds)
@@ -80,3 +80,35 @@ def _time_one(obj: object, name: str, seconds: dict[str, float]) -> None:
         seconds[name] = time.perf_counter() - started.pop()
 
     tap(obj, name, before=begin, after=end)
+
+
+@contextlib.contextmanager
+def time_class_calls(cls: type, labels: Mapping[str, str]) -> Iterator[dict[str, float]]:
+    """While the block runs, every call of ``cls.<name>`` (for each name of ``labels``),
+    on any instance, leaves its duration in the yielded dict under ``labels[name]``.
+
+    The class's own methods come back when the block ends. For objects built
+    inside the block, whose construction one wants to time: no instance exists
+    yet to ``tap``. Chapter 6 times ``LLM(...)``'s construction steps this way.
+    """
+    seconds: dict[str, float] = {}
+    originals = {name: cls.__dict__[name] for name in labels}
+
+    def timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                seconds[labels[name]] = time.perf_counter() - start
+
+        return wrapper
+
+    for name, method in originals.items():
+        setattr(cls, name, timed(name, method))
+    try:
+        yield seconds
+    finally:
+        for name, method in originals.items():
+            setattr(cls, name, method)

@@ -1,10 +1,15 @@
-"""StepTimer: where the wall time of each ``EngineCore.step()`` went.
+"""Timers from outside: where each ``EngineCore.step()`` went, and ``LLM(...)``'s construction.
 
-Chapter 5 (engine skeleton) uses it to show the point of
+``time_construction()`` (chapter 6) times the construction steps of every
+engine built inside a ``with`` block: the executor's constructor (the worker's
+``init_device`` and ``load_model``), ``determine_available_memory``,
+``initialize_from_config`` and ``compile_or_warm_up_model``.
+
+``StepTimer`` (chapter 5) (engine skeleton) uses it to show the point of
 ``execute_model(..., non_block=True)``: the forward pass runs on the forward
 thread while the engine thread builds the grammar bitmask, and only then waits
 in ``future.result()``. ``StepTimer.attach(engine_core)`` watches the calls
-``step()`` makes (``nanoengine/utils/method_taps.py``) and stamps the clock at
+``step()`` makes (``nanoengine/instruments/method_taps.py``) and stamps the clock at
 their boundaries, so ``step()`` itself contains no timing code. The marks:
 
     start        schedule() begins
@@ -23,16 +28,42 @@ vLLM 0.32 counterpart: none as a record; ``EngineCore.step`` in
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nanoengine.utils.method_taps import tap
+from nanoengine.instruments.method_taps import tap, time_class_calls
 
 if TYPE_CHECKING:  # annotations only: the timer watches an engine core, it does not build one
     from nanoengine.core.sched.output import SchedulerOutput
     from nanoengine.engine.core import EngineCore
+
+
+# The construction steps, as chapter 6 names them, in the order EngineCore runs them.
+CONSTRUCTION_STEPS = {
+    "__init__": "init_device + load_model",
+    "determine_available_memory": "determine_available_memory",
+    "initialize_from_config": "initialize_from_config",
+    "compile_or_warm_up_model": "compile_or_warm_up_model",
+}
+
+
+@contextlib.contextmanager
+def time_construction() -> Iterator[dict[str, float]]:
+    """Seconds per construction step of the engine built inside the block (the last one, if several).
+
+    ``with time_construction() as steps: llm = LLM(...)``. Every executor
+    inherits these four methods from ``Executor``, so timing them there times
+    any executor; in-process engines only (a core in its own process is built
+    where this block cannot see it).
+    """
+    from nanoengine.executor.abstract import Executor
+
+    with time_class_calls(Executor, CONSTRUCTION_STEPS) as seconds:
+        yield seconds
 
 
 @dataclass(frozen=True)
