@@ -76,6 +76,7 @@ class EngineCore:
             engine_config.cache_config,
             self.kv_cache_config,
             kv_transfer_config=engine_config.kv_transfer_config,
+            structured_output_manager=self.structured_output_manager,
         )
         # Async scheduling keeps up to two steps in flight: the one whose
         # tokens the scheduler waits for, and the next one, already launched.
@@ -201,7 +202,7 @@ class EngineCore:
             return EngineCoreOutputs(), False
         scheduler_output = self.scheduler.schedule()
         future = self.model_executor.execute_model(scheduler_output, non_block=True)
-        grammar_output = self.structured_output_manager.grammar_bitmask(scheduler_output)
+        grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
         model_output = future.result()
         if model_output is None:
             # Sampling was deferred until the bitmask was ready.

@@ -104,7 +104,7 @@ def _worker_process(handle: Any) -> str:
 
 def _grammars(manager: Any) -> str:
     # An instrument may read private state: it only looks.
-    return f"backend={'xgrammar' if manager._backend else 'xgrammar (not loaded)'} live={len(manager._requests)}"
+    return f"backend={'xgrammar' if manager._backend else 'xgrammar (not loaded)'}"
 
 
 def _tp_size(executor: Any) -> str:

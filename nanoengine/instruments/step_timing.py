@@ -14,7 +14,7 @@ their boundaries, so ``step()`` itself contains no timing code. The marks:
 
     start        schedule() begins
     launched     schedule() returned; execute_model() launches the forward pass
-    bitmask_end  grammar_bitmask() returned (engine-thread work beside the forward)
+    bitmask_end  get_grammar_bitmask() returned (engine-thread work beside the forward)
     result_end   future.result() returned; sample_tokens() begins
     sampled      update_from_output() begins
     updated      update_from_output() returned
@@ -106,7 +106,7 @@ class StepTimer:
 
     @classmethod
     def attach(cls, core: EngineCore) -> StepTimer:
-        """Watch ``core``'s scheduler, executor and grammar manager; return the timer.
+        """Watch ``core``'s scheduler and executor; return the timer.
 
         Only for the synchronous ``step()``: with async scheduling the steps
         overlap each other, and their phases cannot be told apart this way.
@@ -117,7 +117,7 @@ class StepTimer:
         scheduler, executor = core.scheduler, core.model_executor
         tap(scheduler, "schedule", before=lambda: timer._mark("start"), after=lambda _: timer._mark("launched"))
         tap(executor, "execute_model", after=timer._on_launched)
-        tap(core.structured_output_manager, "grammar_bitmask", after=lambda *_: timer._mark("bitmask_end"))
+        tap(scheduler, "get_grammar_bitmask", after=lambda *_: timer._mark("bitmask_end"))
         tap(executor, "sample_tokens", before=lambda *_, **__: timer._mark("result_end"))
         tap(scheduler, "update_from_output", before=timer._on_update_begin, after=timer._on_step_end)
         return timer

@@ -8,8 +8,9 @@ forward pass runs. Its life cycle for one request:
    thread pool; the request waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and
    the scheduler promotes it once the future is done (or ends it as
    FINISHED_ERROR if compiling failed);
-2. ``grammar_bitmask`` (each step) stacks one packed mask row per structured
-   request that samples this step; the model runner masks its logits with it;
+2. ``grammar_bitmask`` (each step, called by ``Scheduler.get_grammar_bitmask``
+   with the structured requests that sample this step) stacks one packed mask
+   row per request; the model runner masks its logits with it;
 3. the scheduler feeds each accepted token back (``accept_tokens``).
 
 vLLM 0.32 counterpart: ``vllm/v1/structured_output/__init__.py``
@@ -23,12 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from nanoengine.config import EngineConfig
-from nanoengine.core.sched.output import GrammarOutput, SchedulerOutput
 from nanoengine.request import Request
 from nanoengine.sampling_params import StructuredOutputsParams
 from nanoengine.structured_output.request import StructuredOutputGrammar, StructuredOutputRequest
 
 if TYPE_CHECKING:  # the backend imports xgrammar, which is loaded on first use only
+    import torch
+
     from nanoengine.structured_output.backend_xgrammar import XgrammarBackend
 
 
@@ -44,8 +46,6 @@ class StructuredOutputManager:
         # One thread: compiles are rare and short, and they must not steal the
         # forward pass's cores.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoengine-grammar")
-        # Live structured requests by id; dropped once the scheduler reports them finished.
-        self._requests: dict[str, Request] = {}
 
     def grammar_init(self, request: Request) -> None:
         """Start compiling ``request``'s grammar; it stays blocked until done."""
@@ -54,7 +54,6 @@ class StructuredOutputManager:
             raise ValueError(f"Request {request.request_id!r} asks for no structured output.")
         future = self._executor.submit(self._compile, params)
         request.structured_output_request = StructuredOutputRequest(params, future)
-        self._requests[request.request_id] = request
 
     def _compile(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         return self._get_backend().compile_grammar(params)
@@ -69,29 +68,19 @@ class StructuredOutputManager:
                 self._backend = XgrammarBackend(get_tokenizer(self.model_path), self.vocab_size)
             return self._backend
 
-    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
-        """Masks for the structured requests that sample this step; None if there are none.
+    def grammar_bitmask(self, requests: dict[str, Request], structured_output_request_ids: list[str]) -> torch.Tensor:
+        """One packed mask row per request id, in that order: int32 [rows, ceil(vocab/32)].
 
-        Runs after ``schedule()`` advanced ``num_computed_tokens``, so "samples
-        this step" is simply "all known tokens are computed".
+        The scheduler chooses the rows (``Scheduler.get_grammar_bitmask``): the
+        structured requests that sample this step. Each one is running, so its
+        grammar has compiled.
         """
-        for req_id in scheduler_output.finished_req_ids:
-            self._requests.pop(req_id, None)
-        rows: list[tuple[str, StructuredOutputGrammar]] = []
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self._requests.get(req_id)
-            if request is None or request.num_computed_tokens < request.num_tokens:
-                continue
-            assert request.structured_output_request is not None  # set by grammar_init
-            grammar = request.structured_output_request.grammar
-            if grammar is not None:
-                rows.append((req_id, grammar))
-        if not rows:
-            return None
-        bitmask = self._get_backend().allocate_token_bitmask(len(rows))  # int32 [rows, ceil(vocab/32)]
-        for row, (_, grammar) in enumerate(rows):
-            grammar.fill_bitmask(bitmask, row)
-        return GrammarOutput(structured_output_request_ids=[req_id for req_id, _ in rows], bitmask=bitmask)
+        bitmask = self._get_backend().allocate_token_bitmask(len(structured_output_request_ids))
+        for row, req_id in enumerate(structured_output_request_ids):
+            structured = requests[req_id].structured_output_request
+            assert structured is not None and structured.grammar is not None, f"{req_id} has no compiled grammar"
+            structured.grammar.fill_bitmask(bitmask, row)
+        return bitmask
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)

@@ -48,10 +48,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from nanoengine.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from nanoengine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from nanoengine.core.sched.output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from nanoengine.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from nanoengine.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from nanoengine.core.sched.step_plan import StepPlan
 from nanoengine.core.sched.utils import (
@@ -67,6 +68,9 @@ from nanoengine.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreO
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.request import Request, RequestStatus
 
+if TYPE_CHECKING:  # the manager imports torch; the scheduler only calls it
+    from nanoengine.structured_output import StructuredOutputManager
+
 
 class Scheduler:
     """vLLM V1's scheduler: one token budget, running requests first."""
@@ -77,6 +81,7 @@ class Scheduler:
         cache_config: CacheConfig,
         kv_cache_config: KVCacheConfig,
         kv_transfer_config: KVTransferConfig | None = None,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         validate_scheduler_configs(scheduler_config, cache_config, kv_cache_config)
         self.scheduler_config = scheduler_config
@@ -91,6 +96,9 @@ class Scheduler:
 
         # Every live request by id; a request leaves this dict when it finishes.
         self.requests: dict[str, Request] = {}
+        # The engine core's grammars (chapter 5); the scheduler asks it for the
+        # step's bitmask, as vLLM's does. None: a scheduler on its own, in tests.
+        self.structured_output_manager = structured_output_manager
         self.waiting = create_request_queue(self.policy)
         # Admission order, so running[-1] is the newest (the FCFS victim).
         self.running: list[Request] = []
@@ -416,6 +424,30 @@ class Scheduler:
         request.num_external_computed_tokens = num_external
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         return True
+
+    # ---- the grammar bitmask (chapter 5) ---------------------------------------
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The token masks of the structured requests that sample this step; None if there are none.
+
+        Called after ``schedule()`` advanced ``num_computed_tokens``, so "samples
+        this step" is simply "all its known tokens are computed". The rows follow
+        the order of ``scheduler_output.num_scheduled_tokens``; the grammar
+        manager fills them.
+        """
+        if self.structured_output_manager is None:
+            return None
+        structured_output_request_ids = [
+            req_id
+            for req_id in scheduler_output.num_scheduled_tokens
+            if (request := self.requests.get(req_id)) is not None
+            and request.structured_output_request is not None
+            and request.num_computed_tokens >= request.num_tokens
+        ]
+        if not structured_output_request_ids:
+            return None
+        bitmask = self.structured_output_manager.grammar_bitmask(self.requests, structured_output_request_ids)
+        return GrammarOutput(structured_output_request_ids=structured_output_request_ids, bitmask=bitmask)
 
     # ---- update_from_output() (chapters 3 and 7) -------------------------------
 
