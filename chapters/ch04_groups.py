@@ -23,7 +23,7 @@ from rich.table import Table
 
 from chapters._common import console, timed
 from nanoengine import LLM, SamplingParams
-from nanoengine.core.kv_cache_groups import ATTENTION_BLOCK_ALIGNMENT, unified_block_size
+from nanoengine.core.kv_cache_groups import ATTENTION_BLOCK_ALIGNMENT, align_hybrid_block_size
 from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.kv_cache_interface import FULL_ATTENTION_GROUP, KVCacheConfig, MambaSpec
@@ -151,7 +151,7 @@ def layout_table(config: KVCacheConfig, requested_block_size: int, kv_bytes: int
     state = next(g.kv_cache_spec for g in config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec))
     per_token = replace(attention, block_size=1).page_size_per_layer
     # The engine's own rule, fed the live numbers, gives the block size the engine runs with.
-    assert unified_block_size(requested_block_size, per_token, state.state_bytes) == config.block_size
+    assert align_hybrid_block_size(requested_block_size, per_token, state.state_bytes) == config.block_size
     step, state_bytes, page = ATTENTION_BLOCK_ALIGNMENT, state.state_bytes, config.page_size_per_layer
     conv, ssm = (" x ".join(map(str, shape)) for shape in state.shapes)
     needed = cdiv(state_bytes, step * per_token)  # steps of 16 tokens whose K and V hold a state

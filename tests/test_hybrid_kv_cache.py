@@ -15,13 +15,14 @@ from transformers import LlamaConfig, Qwen3_5TextConfig
 
 from nanoengine.config import CacheConfig, ModelConfig, SchedulerConfig
 from nanoengine.core.kv_cache_coordinator import HybridKVCacheCoordinator, UnitaryKVCacheCoordinator
-from nanoengine.core.kv_cache_groups import KVCacheLayout, group_kv_cache_layers, unified_block_size
+from nanoengine.core.kv_cache_groups import KVCacheLayout, align_hybrid_block_size, group_kv_cache_layers
 from nanoengine.core.kv_cache_manager import KVCacheManager
 from nanoengine.core.kv_cache_sizing import check_enough_kv_cache_memory, get_kv_cache_config, max_concurrency
 from nanoengine.core.kv_cache_utils import get_request_block_hasher
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 from nanoengine.engine.arg_utils import resolve_prefix_caching
+from nanoengine.instruments.component_tree import tree_to_text
 from nanoengine.instruments.invariants import InvariantViolation, check_invariants
 from nanoengine.kv_cache_interface import (
     FULL_ATTENTION_GROUP,
@@ -94,8 +95,8 @@ def test_a_larger_requested_block_size_is_kept_and_the_state_padded_more() -> No
     assert (layout.block_size, layout.page_size_per_layer) == (512, 512 * 4096)
     assert layout.state_padding_bytes == 512 * 4096 - 1_122_304
     # In fp32 both sides double: the smallest block stays 288 tokens.
-    assert unified_block_size(16, attention_bytes_per_token=4096, state_bytes=1_122_304) == 288
-    assert unified_block_size(16, attention_bytes_per_token=4096, state_bytes=0) == 16
+    assert align_hybrid_block_size(16, attention_bytes_per_token=4096, state_bytes=1_122_304) == 288
+    assert align_hybrid_block_size(16, attention_bytes_per_token=4096, state_bytes=0) == 16
 
 
 def test_uneven_layer_counts_group_as_vllm_does() -> None:
@@ -325,14 +326,14 @@ def test_invariants_catch_a_block_held_by_two_groups() -> None:
 
 
 def test_the_tree_shows_each_groups_manager_over_one_pool() -> None:
-    text = str(tiny_manager(num_blocks=12))
+    text = tree_to_text(tiny_manager(num_blocks=12))  # the instruments' tree printer, from outside
     assert "coordinator: HybridKVCacheCoordinator" in text
     assert "single_type_managers[0]: FullAttentionManager" in text and "group=0 layers=2 block_size=16" in text
     assert "single_type_managers[2]: MambaManager" in text and "group=2 layers=2 block_size=64" in text
     assert text.count("block_pool: BlockPool") == 3 and "(same object as" in text
     plain = KVCacheManager(KVCacheConfig(8, FullAttentionSpec(4, 1, 8, 4, 2)), 64, enable_caching=True)
     assert isinstance(plain.coordinator, UnitaryKVCacheCoordinator)
-    assert "single_type_managers[0]: FullAttentionManager" in str(plain)
+    assert "single_type_managers[0]: FullAttentionManager" in tree_to_text(plain)
 
 
 # ---- prefix caching is off for hybrid models -----------------------------------------

@@ -9,7 +9,7 @@ the sum you should return. The setup never runs the exercise's code (it calls
 the coordinator's ``allocate_new_blocks`` and ``cache_blocks`` directly), but
 for the all-or-nothing check, which goes through ``allocate_slots`` on purpose.
 
-4.5 (``unified_block_size``) is called with byte counts chosen so that each
+4.5 (``align_hybrid_block_size``) is called with byte counts chosen so that each
 kind of wrong rounding shows in its own check, then on Qwen3.5-0.8B's shapes.
 
 The end-to-end runs build an engine on the grader's own tiny Qwen3.5
@@ -28,7 +28,7 @@ from typing import Any
 from chapters.grade_checks.common import PROMPTS, Check, block_ids, greedy_run, kv_spec, make_request
 from chapters.grade_checks.tiny_model import tiny_hybrid_model_dir
 from nanoengine.core.kv_cache_coordinator import KVCacheCoordinator, get_kv_cache_coordinator
-from nanoengine.core.kv_cache_groups import group_kv_cache_layers, unified_block_size
+from nanoengine.core.kv_cache_groups import align_hybrid_block_size, group_kv_cache_layers
 from nanoengine.core.kv_cache_manager import KVCacheManager
 from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.kv_cache_interface import (
@@ -191,12 +191,12 @@ def e2e_hybrid_preemption(model: str) -> dict[str, Any]:
     return asdict(run)
 
 
-# ------------------------------------------------------ 4.5 unified_block_size
+# ------------------------------------------------------ 4.5 align_hybrid_block_size
 def _block_sizes(cases: Sequence[tuple[int, int, int, str]]) -> dict[str, int]:
     """``(requested, attention_bytes_per_token, state_bytes, note)`` -> the labeled answers."""
     return {
-        f"unified_block_size(requested={requested}, attention_bytes_per_token={per_token}, "
-        f"state_bytes={state}) ({note})": unified_block_size(requested, per_token, state)
+        f"align_hybrid_block_size(requested={requested}, attention_bytes_per_token={per_token}, "
+        f"state_bytes={state}) ({note})": align_hybrid_block_size(requested, per_token, state)
         for requested, per_token, state, note in cases
     }
 
@@ -265,7 +265,7 @@ def _qwen3_5_0_8b_layers(dtype_size: int) -> dict[int, KVCacheSpec]:
 def qwen3_5_0_8b(model: str) -> dict[str, Any]:
     """Qwen3.5-0.8B's layers (nanoengine's shipped config), block size 16 asked
     for, in fp32 and in bf16, grouped by ``group_kv_cache_layers`` (which calls
-    ``unified_block_size``).
+    ``align_hybrid_block_size``).
     """
     result: dict[str, Any] = {}
     for dtype, dtype_size in (("fp32", 4), ("bf16", 2)):

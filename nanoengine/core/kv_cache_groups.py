@@ -24,10 +24,10 @@ so a near-even split is not cut into half-empty groups. A group short of
 
 vLLM 0.32 counterpart: ``vllm/v1/core/kv_cache_utils.py``
 (``unify_kv_cache_spec_page_size``, ``_get_kv_cache_groups_uniform_page_size``)
-and the block-size rule of ``HybridAttentionMambaModelConfig`` in
-``vllm/model_executor/models/config.py``. vLLM picks the block size when it
-reads the config and the groups when it sizes the cache; one pure function
-does both here, so it can run at either time.
+and the block-size rule of ``Platform._align_hybrid_block_size`` in
+``vllm/platforms/interface.py`` (``align_hybrid_block_size`` here). vLLM picks
+the block size when it reads the config and the groups when it sizes the
+cache; one pure function does both here, so it can run at either time.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def group_kv_cache_layers(layer_specs: Mapping[int, KVCacheSpec]) -> KVCacheLayo
         raise ValueError(f"Give one spec per layer (num_layers=1), not num_layers={attention_spec.num_layers}.")
     bytes_per_token = replace(attention_spec, block_size=1).page_size_per_layer
     state_bytes = state_spec.state_bytes if state_spec is not None else 0
-    block_size = unified_block_size(attention_spec.block_size, bytes_per_token, state_bytes)
+    block_size = align_hybrid_block_size(attention_spec.block_size, bytes_per_token, state_bytes)
     group_size = _group_size([len(layers) for layers in (attention_layers, state_layers) if layers])
     attention_group_spec = replace(attention_spec, block_size=block_size)
     page_size = attention_group_spec.page_size_per_layer
@@ -132,7 +132,7 @@ def group_kv_cache_layers(layer_specs: Mapping[int, KVCacheSpec]) -> KVCacheLayo
 
 
 # BEGIN EXERCISE 4.5
-def unified_block_size(requested: int, attention_bytes_per_token: int, state_bytes: int) -> int:
+def align_hybrid_block_size(requested: int, attention_bytes_per_token: int, state_bytes: int) -> int:
     """The attention block size once an attention page must hold a whole state.
 
     ``attention_bytes_per_token`` is K and V of one token in one attention
@@ -140,7 +140,9 @@ def unified_block_size(requested: int, attention_bytes_per_token: int, state_byt
     the model has none: then ``requested`` stands). The answer is the smallest
     multiple of ``ATTENTION_BLOCK_ALIGNMENT`` tokens whose K and V take at
     least ``state_bytes``, unless ``requested`` is larger already (vLLM keeps
-    a larger block size the user asked for, and pads the state more).
+    a larger block size the user asked for, and pads the state more). vLLM
+    0.32 raises ``cache_config.block_size`` by this rule in
+    ``Platform._align_hybrid_block_size``.
     """
     if state_bytes == 0:
         return requested

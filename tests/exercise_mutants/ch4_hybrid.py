@@ -62,7 +62,7 @@ MUTANTS: list[Mutant] = [
                                       " - len(manager.get_blocks(request_id)) - len(hit_blocks), 0)"))),
         caught_by="cache hits: an evictable hit (ref_cnt 0) takes a free block, a held hit none",
     ),
-    # --------------------------------------------- 4.5 unified_block_size
+    # --------------------------------------------- 4.5 align_hybrid_block_size
     Mutant(
         "4.5",
         "raises a plain model's block size to 16 too (at least one step, state or not)",
