@@ -1,11 +1,12 @@
 """Logprobs as the user gets them, and as they travel from the worker to the front end.
 
 Chapter 8 (online serving): the OpenAI API's ``logprobs`` and ``top_logprobs``
-are these. The sampler computes them as tensors (nanoengine/sample/logprobs.py);
-the model runner turns each request's rows into a ``LogprobsLists`` of plain
-lists, which crosses the engine core's socket as msgpack; the front end
-(nanoengine/engine/logprobs.py) makes them into one ``{token id: Logprob}`` dict
-per position. No torch here: the scheduler handles these lists too.
+are these. The sampler computes them as tensors (``compute_logprobs`` and
+``gather_logprobs`` in nanoengine/sample/sampler.py); the model runner turns
+each request's rows into a ``LogprobsLists`` of plain lists, which crosses the
+engine core's socket as msgpack; the front end (nanoengine/engine/logprobs.py)
+makes them into one ``{token id: Logprob}`` dict per position. No torch here:
+the scheduler handles these lists too.
 
 vLLM 0.32 counterparts: ``vllm/logprobs.py`` (``Logprob``, ``PromptLogprobs``,
 ``SampleLogprobs``) and ``LogprobsLists`` in ``vllm/v1/outputs.py``.

@@ -1,15 +1,26 @@
-"""What ``LLM.generate`` returns: RequestOutput with one CompletionOutput per sample.
+"""Outputs: what ``LLM.generate`` returns, and what the model runner returns to the scheduler.
 
-Chapter 1 prints these; chapter 7 shows the output processor that builds them.
-vLLM 0.32 counterpart: ``vllm/outputs.py`` (``RequestOutput``, ``CompletionOutput``).
+Chapter 1 prints ``RequestOutput``s (one ``CompletionOutput`` per sample);
+chapter 7 shows the output processor that builds them. Chapter 7 also follows
+one step's ``ModelRunnerOutput`` from the worker back to
+``Scheduler.update_from_output``; chapter 8 adds its logprobs.
+vLLM 0.32 counterpart: ``vllm/outputs.py`` (``RequestOutput``,
+``CompletionOutput``) and ``vllm/v1/outputs.py`` (``ModelRunnerOutput``,
+``KVConnectorOutput``, ``LogprobsTensors``, ``EMPTY_MODEL_RUNNER_OUTPUT``). vLLM
+keeps the second file apart from its older engine's outputs; nanoengine has one
+engine, so one file holds both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nanoengine.engine import EngineCoreEvent, EngineCoreEventType
-from nanoengine.logprobs import PromptLogprobs, SampleLogprobs
+from nanoengine.logprobs import LogprobsLists, PromptLogprobs, SampleLogprobs
+
+if TYPE_CHECKING:  # annotations only: this module stays importable without torch (core/ reads it)
+    import torch
 
 
 @dataclass
@@ -114,3 +125,60 @@ class RequestOutput:
     num_external_computed_tokens: int = 0
     # With SamplingParams.prompt_logprobs: one dict per prompt token, the first None.
     prompt_logprobs: PromptLogprobs | None = None
+
+
+# ---- the model runner's side (vllm/v1/outputs.py) ----------------------------------
+
+
+@dataclass
+class LogprobsTensors:
+    """Per row: the chosen token, then the top ``k``, with their logprobs."""
+
+    logprob_token_ids: torch.Tensor  # [N, 1 + k] int64: chosen id, then top-1 .. top-k
+    logprobs: torch.Tensor  # [N, 1 + k] float32, same order
+    selected_token_ranks: torch.Tensor  # [N] int64: rank of the chosen id, 1 = most likely
+
+    def tolists(self, start: int, end: int, num_logprobs: int) -> LogprobsLists:
+        """Rows ``[start, end)`` with only the top ``num_logprobs`` candidates kept.
+
+        The batch computes as many candidates as its most demanding row; each
+        request gets back the number it asked for.
+        """
+        columns = slice(0, 1 + num_logprobs)
+        return LogprobsLists(
+            self.logprob_token_ids[start:end, columns].tolist(),
+            self.logprobs[start:end, columns].tolist(),
+            self.selected_token_ranks[start:end].tolist(),
+        )
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker's KV connector finished since the last step."""
+
+    finished_recving: set[str] = field(default_factory=set)  # loads done: promote these
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the worker returns: the tokens sampled for each scheduled request.
+
+    A request in the middle of a chunked prefill gets an empty list: its last
+    scheduled position is not the end of its known tokens, so nothing is sampled.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    kv_connector_output: KVConnectorOutput | None = None
+    # Chapter 8. req_id -> one row per sampled token, only for requests that ask
+    # for logprobs (vLLM keeps one batch-wide LogprobsLists instead).
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # req_id -> one row per prompt token after the first, sent once, with the
+    # step that samples the request's first token.
+    prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
+
+    def by_request(self) -> dict[str, list[int]]:
+        return dict(zip(self.req_ids, self.sampled_token_ids))
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -19,10 +19,11 @@ from test_scheduler_properties import FakeWorker
 from nanoengine.config import CacheConfig, SchedulerConfig
 from nanoengine.core.kv_cache_utils import get_request_block_hasher
 from nanoengine.core.sched.async_scheduler import AsyncScheduler
-from nanoengine.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from nanoengine.core.sched.output import SchedulerOutput
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.instruments.invariants import check_invariants
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from nanoengine.outputs import ModelRunnerOutput
 from nanoengine.request import Request, RequestStatus
 from nanoengine.sampling_params import SamplingParams
 

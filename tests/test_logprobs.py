@@ -22,8 +22,8 @@ from nanoengine import LLM, RequestOutput, SamplingParams
 from nanoengine.engine import EngineCoreOutput
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.logprobs import Logprob
-from nanoengine.sample.logprobs import compute_logprobs, gather_logprobs
 from nanoengine.sample.penalties import PenaltyInputs, apply_penalties_reference
+from nanoengine.sample.sampler import compute_logprobs, gather_logprobs
 from nanoengine.sampling_params import RequestOutputKind
 from nanoengine.worker.input_batch import CachedRequestState
 from nanoengine.worker.prompt_logprobs import (

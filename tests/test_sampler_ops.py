@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from nanoengine.sample import sampler as sampler_module
-from nanoengine.sample.logprobs import compute_logprobs, gather_logprobs, gather_logprobs_reference
 from nanoengine.sample.metadata import SamplingMetadata
 from nanoengine.sample.penalties import (
     PenaltyInputs,
@@ -29,6 +28,9 @@ from nanoengine.sample.sampler import (
     apply_logit_bias_reference,
     apply_min_p,
     apply_min_p_reference,
+    compute_logprobs,
+    gather_logprobs,
+    gather_logprobs_reference,
 )
 
 VOCAB = 50

@@ -14,12 +14,13 @@ import pytest
 
 from nanoengine.config import CacheConfig, SchedulerConfig
 from nanoengine.core.kv_cache_utils import get_request_block_hasher
-from nanoengine.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from nanoengine.core.sched.output import SchedulerOutput
 from nanoengine.core.sched.request_queue import SchedulingPolicy
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.core.sched.utils import select_preemption_victim, select_victim_for_admission
 from nanoengine.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from nanoengine.outputs import ModelRunnerOutput
 from nanoengine.request import Request, RequestStatus
 from nanoengine.sampling_params import SamplingParams
 

@@ -11,8 +11,8 @@ several for a hybrid one), and ``BlockPool`` the blocks themselves. Blocks and
 block ids cross this API as one list per group, in group order.
 
 vLLM 0.32 counterpart: ``vllm/v1/core/kv_cache_manager.py`` (``KVCacheManager``,
-``KVCacheBlocks``); the stats dataclass mirrors ``PrefixCacheStats`` of
-``vllm/v1/metrics/stats.py``.
+``KVCacheBlocks``); the counters it keeps are ``PrefixCacheStats``
+(``nanoengine/metrics/stats.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from nanoengine.core.kv_cache_coordinator import get_kv_cache_coordinator
 from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.kv_cache_interface import KVCacheConfig
+from nanoengine.metrics.stats import PrefixCacheStats
 from nanoengine.request import Request
 
 
@@ -40,24 +41,6 @@ class KVCacheBlocks:
     def get_block_ids(self) -> tuple[list[int], ...]:
         """The ids, in the same shape: one list per group, in group order."""
         return tuple([block.block_id for block in group] for group in self.blocks)
-
-
-@dataclass
-class PrefixCacheStats:
-    """Cumulative prefix-cache counters, in tokens (``hits / queries`` = hit rate).
-
-    Every lookup counts, including the retry of a request whose allocation
-    failed in an earlier step, as in vLLM.
-    """
-
-    requests: int = 0  # lookups made
-    queries: int = 0  # tokens looked up
-    hits: int = 0  # tokens found in the cache
-
-    def record(self, num_tokens: int, num_hits: int) -> None:
-        self.requests += 1
-        self.queries += num_tokens
-        self.hits += num_hits
 
 
 class KVCacheManager:

@@ -25,11 +25,12 @@ from nanoengine.core.kv_cache_groups import group_kv_cache_layers
 from nanoengine.core.kv_cache_sizing import get_kv_cache_config, max_concurrency
 from nanoengine.core.kv_cache_utils import get_request_block_hasher
 from nanoengine.core.sched.async_scheduler import AsyncScheduler
-from nanoengine.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from nanoengine.core.sched.output import SchedulerOutput
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.engine import EngineCoreOutputs, EngineCoreRequest
 from nanoengine.executor.abstract import Executor
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from nanoengine.outputs import ModelRunnerOutput
 from nanoengine.plugins import load_engine_core_plugins
 from nanoengine.request import Request, RequestStatus
 from nanoengine.structured_output import StructuredOutputManager

@@ -31,8 +31,9 @@ from concurrent.futures import Future
 from typing import Any, Literal, overload
 
 from nanoengine.config import EngineConfig
-from nanoengine.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from nanoengine.core.sched.output import GrammarOutput, SchedulerOutput
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from nanoengine.outputs import ModelRunnerOutput
 from nanoengine.worker.worker import MemoryProfile, Worker
 
 # distributed_executor_backend -> (module, class), imported only when chosen: an

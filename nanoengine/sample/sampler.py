@@ -5,12 +5,16 @@ the OpenAI API's options (logit_bias, penalties, min_p, logprobs).
 vLLM 0.32 counterpart: ``vllm/v1/sample/sampler.py`` (``Sampler``),
 ``vllm/v1/sample/ops/topk_topp_sampler.py`` (``apply_top_k_top_p``,
 ``random_sample``) and the built-in logits processors of
-``vllm/v1/sample/logits_processor/builtin.py`` (min_tokens, logit_bias, min_p).
+``vllm/v1/sample/logits_processor/builtin.py`` (min_tokens, logit_bias, min_p);
+``compute_logprobs`` and ``gather_logprobs`` are ``Sampler.compute_logprobs``
+and ``Sampler.gather_logprobs`` there, and they score prompt tokens too
+(``prompt_logprobs``, worker/prompt_logprobs.py).
 
 Order of operations, per row, as in vLLM:
 
 0. if any row asks for logprobs: log_softmax of the logits as they came in
-   (sample/logprobs.py), kept aside;
+   (``compute_logprobs``), kept aside: they describe the model, not the
+   sampling options (vLLM's default ``logprobs_mode="raw_logprobs"``);
 1. banned token ids -> -inf (stop ids before ``min_tokens`` is reached), then
    logit_bias added;
 2. repetition, frequency and presence penalties (sample/penalties.py);
@@ -19,7 +23,8 @@ Order of operations, per row, as in vLLM:
 4. otherwise: divide by the temperature, drop tokens below min_p times the most
    likely one's probability, keep the top-k logits, keep the top-p nucleus,
    softmax, and draw with the exponential race;
-5. the sampled tokens' logprobs, ranks and the top candidates from step 0.
+5. the sampled tokens' logprobs, ranks and the top candidates from step 0
+   (``gather_logprobs``).
 
 Steps 0, 1 and 2 cost nothing for rows (and batches) that do not use them.
 
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanoengine.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
+from nanoengine.outputs import LogprobsTensors
 from nanoengine.sample.metadata import SamplingMetadata
 from nanoengine.sample.penalties import apply_penalties
 
@@ -177,6 +182,46 @@ def random_sample(
     # and argmax treats NaN as the maximum. The smallest normal float avoids that.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     return probs.div(noise).argmax(dim=-1)
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] logits -> [N, V] float32 log probabilities."""
+    return logits.log_softmax(dim=-1, dtype=torch.float32)
+
+
+def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:
+    """The chosen ``token_ids`` [N] and the ``num_logprobs`` most likely tokens of each row.
+
+    A chosen token's rank counts the tokens at least as likely as it, itself
+    included, so the argmax has rank 1 (ties share the worse rank, as in vLLM).
+    """
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)  # [N, k] each, most likely first
+    chosen_ids = token_ids.to(torch.int64).unsqueeze(-1)  # [N, 1]
+    chosen_logprobs = logprobs.gather(-1, chosen_ids)  # [N, 1]
+    ranks = (logprobs >= chosen_logprobs).sum(dim=-1)  # [N]
+    return LogprobsTensors(
+        logprob_token_ids=torch.cat([chosen_ids, top_ids], dim=-1),
+        logprobs=torch.cat([chosen_logprobs, top_logprobs], dim=-1),
+        selected_token_ranks=ranks,
+    )
+
+
+def gather_logprobs_reference(
+    logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor
+) -> LogprobsTensors:
+    """``gather_logprobs`` one row at a time with a full sort: the plain reference the
+    tests hold the batched version to.
+    """
+    rows_ids: list[torch.Tensor] = []
+    rows_logprobs: list[torch.Tensor] = []
+    ranks: list[int] = []
+    for row, token_id in zip(logprobs, token_ids.tolist()):
+        order = row.argsort(descending=True)  # [V] token ids, most likely first
+        top_ids = order[:num_logprobs]
+        rows_ids.append(torch.cat([torch.tensor([token_id]), top_ids]))
+        rows_logprobs.append(torch.cat([row[token_id : token_id + 1], row[top_ids]]))
+        ranks.append(sum(1 for value in row.tolist() if value >= float(row[token_id])))
+    return LogprobsTensors(torch.stack(rows_ids), torch.stack(rows_logprobs), torch.tensor(ranks))
 
 
 class Sampler(nn.Module):

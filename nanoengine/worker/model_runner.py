@@ -28,13 +28,7 @@ from torch import nn
 from nanoengine.attention.layer import bind_kv_cache, set_attention_impl
 from nanoengine.attention.selector import get_attention_impl, resolve_backend_name
 from nanoengine.config import EngineConfig
-from nanoengine.core.sched.output import (
-    EMPTY_MODEL_RUNNER_OUTPUT,
-    GrammarOutput,
-    KVConnectorOutput,
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
+from nanoengine.core.sched.output import GrammarOutput, SchedulerOutput
 from nanoengine.distributed.kv_transfer.worker_side import SharedStorageConnectorWorker
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from nanoengine.logprobs import LogprobsLists
@@ -43,7 +37,12 @@ from nanoengine.model_executor.custom_op import enable_cpu_kernels
 from nanoengine.model_executor.layers.cpu_linear import resolve_linear_backend
 from nanoengine.model_executor.layers.mamba.gdn import bind_mamba_state
 from nanoengine.model_executor.models.registry import CausalLM
-from nanoengine.sample.logprobs import LogprobsTensors
+from nanoengine.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    KVConnectorOutput,
+    LogprobsTensors,
+    ModelRunnerOutput,
+)
 from nanoengine.sample.metadata import SamplingMetadata
 from nanoengine.sample.penalties import PenaltyInputs, pad_token_ids
 from nanoengine.sample.sampler import Sampler

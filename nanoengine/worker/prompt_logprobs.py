@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoengine.logprobs import LogprobsLists
-from nanoengine.sample.logprobs import compute_logprobs, gather_logprobs
+from nanoengine.sample.sampler import compute_logprobs, gather_logprobs
 from nanoengine.worker.input_batch import CachedRequestState
 
 

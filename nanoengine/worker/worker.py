@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoengine.config import EngineConfig
-from nanoengine.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from nanoengine.core.sched.output import GrammarOutput, SchedulerOutput
 from nanoengine.distributed.parallel_state import (
     default_backend,
     destroy_distributed_environment,
@@ -29,6 +29,7 @@ from nanoengine.distributed.parallel_state import (
     initialize_model_parallel,
 )
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from nanoengine.outputs import ModelRunnerOutput
 from nanoengine.utils.system_utils import usable_cpu_count
 from nanoengine.worker.memory_probe import PeakMemoryProbe
 from nanoengine.worker.model_runner import ModelRunner

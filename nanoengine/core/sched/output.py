@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanoengine.distributed.kv_transfer import KVConnectorMetadata
-from nanoengine.logprobs import LogprobsLists
 from nanoengine.sampling_params import SamplingParams
 
 
@@ -92,51 +91,3 @@ class GrammarOutput:
 
     structured_output_request_ids: list[str]
     bitmask: Any
-
-
-@dataclass
-class KVConnectorOutput:
-    """What the worker's KV connector finished since the last step."""
-
-    finished_recving: set[str] = field(default_factory=set)  # loads done: promote these
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the worker returns: the tokens sampled for each scheduled request.
-
-    A request in the middle of a chunked prefill gets an empty list: its last
-    scheduled position is not the end of its known tokens, so nothing is sampled.
-    """
-
-    req_ids: list[str]
-    sampled_token_ids: list[list[int]]
-    kv_connector_output: KVConnectorOutput | None = None
-    # Chapter 8. req_id -> one row per sampled token, only for requests that ask
-    # for logprobs (vLLM keeps one batch-wide LogprobsLists instead).
-    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-    # req_id -> one row per prompt token after the first, sent once, with the
-    # step that samples the request's first token.
-    prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
-
-    def by_request(self) -> dict[str, list[int]]:
-        return dict(zip(self.req_ids, self.sampled_token_ids))
-
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot of the scheduler for loggers and metrics (chapter 2 plots these per step).
-
-    vLLM 0.32 counterpart: ``SchedulerStats`` of ``vllm/v1/metrics/stats.py``,
-    which travels to the front end inside ``EngineCoreOutputs``.
-    """
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of usable blocks in use, 0.0 to 1.0
-    prefix_cache_queries: int  # cumulative, in tokens
-    prefix_cache_hits: int  # cumulative, in tokens
-    num_preemptions: int  # cumulative

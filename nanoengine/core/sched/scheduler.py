@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 
 from nanoengine.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from nanoengine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from nanoengine.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from nanoengine.core.sched.output import GrammarOutput, SchedulerOutput
 from nanoengine.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from nanoengine.core.sched.step_plan import StepPlan
 from nanoengine.core.sched.utils import (
@@ -66,6 +66,8 @@ from nanoengine.core.sched.utils import (
 from nanoengine.distributed.kv_transfer.scheduler_side import SharedStorageConnectorScheduler
 from nanoengine.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from nanoengine.kv_cache_interface import KVCacheConfig
+from nanoengine.metrics.stats import SchedulerStats
+from nanoengine.outputs import ModelRunnerOutput
 from nanoengine.request import Request, RequestStatus
 
 if TYPE_CHECKING:  # the manager imports torch; the scheduler only calls it
