@@ -128,7 +128,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
             params, prompts = serving.prepare_completion(body)
         except (ValueError, TypeError) as error:
             return error_response(400, str(error))
-        return await _respond(request, serving.completion(body, params, prompts))
+        return await _respond(request, serving.create_completion(body, params, prompts))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -138,7 +138,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
             params, prompt = serving.prepare_chat(body)
         except (ValueError, TypeError) as error:
             return error_response(400, str(error))
-        return await _respond(request, serving.chat(body, params, prompt))
+        return await _respond(request, serving.create_chat_completion(body, params, prompt))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:

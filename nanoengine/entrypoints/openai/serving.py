@@ -18,7 +18,13 @@ receives the first half of a stop string the engine then cuts away.
 
 vLLM 0.32 counterpart: ``vllm/entrypoints/openai/completion/serving.py`` and
 ``vllm/entrypoints/openai/chat_completion/serving.py`` (``OpenAIServingCompletion``,
-``OpenAIServingChat``), with their shared base ``OpenAIServing``.
+``OpenAIServingChat``), with their shared base ``OpenAIServing``. The methods
+keep vLLM's names (``create_completion``, ``request_output_to_completion_response``,
+``create_chat_completion``, ``chat_completion_full_generator``); two things
+differ on purpose. One class serves both endpoints: they share everything but
+the response shapes. And one ``stream_generator`` stands for vLLM's
+``completion_stream_generator`` and ``chat_completion_stream_generator``: the
+two differ only in the chunk they build, which the caller passes in.
 """
 
 from __future__ import annotations
@@ -60,18 +66,28 @@ class OpenAIServing:
     # ---- /v1/completions ---------------------------------------------------------------
 
     def prepare_completion(self, request: CompletionRequest) -> tuple[SamplingParams, list[RenderedPrompt]]:
-        """Validate everything before anything is queued (raises ValueError/TypeError)."""
+        """Validate everything before anything is queued (raises ValueError/TypeError).
+
+        vLLM validates inside ``create_completion``; apart here, so that the
+        route answers 400 before a stream has started.
+        """
         params = request.to_sampling_params()
         return params, [self.engine.renderer.render_prompt(p) for p in _prompt_list(request.prompt)]
 
-    async def completion(
+    async def create_completion(
         self, request: CompletionRequest, params: SamplingParams, prompts: list[RenderedPrompt]
     ) -> CompletionResponse | AsyncIterator[str]:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generators = self._start_all(prompts, params, request_id, request.priority)
         if request.stream:
-            return self._stream(request, request_id, generators, _completion_chunk)
+            return self.stream_generator(request, request_id, generators, _completion_chunk)
         finals = await _last_outputs(generators)
+        return self.request_output_to_completion_response(finals, request, request_id, params)
+
+    def request_output_to_completion_response(
+        self, finals: list[RequestOutput], request: CompletionRequest, request_id: str, params: SamplingParams
+    ) -> CompletionResponse:
+        """One response holding every prompt's ``n`` choices, numbered prompt by prompt."""
         choices = [
             CompletionChoice(index=i * params.n + c.index, text=_echoed(request, final, c),
                              logprobs=_completion_logprobs(c), finish_reason=c.finish_reason,
@@ -86,13 +102,19 @@ class OpenAIServing:
         params = request.to_sampling_params()
         return params, self.engine.renderer.render_chat(request.conversation())
 
-    async def chat(
+    async def create_chat_completion(
         self, request: ChatCompletionRequest, params: SamplingParams, prompt: RenderedPrompt
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generators = self._start_all([prompt], params, request_id, request.priority)
         if request.stream:
-            return self._stream(request, request_id, generators, _chat_chunk)
+            return self.stream_generator(request, request_id, generators, _chat_chunk)
+        return await self.chat_completion_full_generator(request_id, generators)
+
+    async def chat_completion_full_generator(
+        self, request_id: str, generators: list[AsyncGenerator[RequestOutput, None]]
+    ) -> ChatCompletionResponse:
+        """The whole answer as one response, once the request has finished."""
         (final,) = await _last_outputs(generators)
         choices = [
             ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), logprobs=_chat_logprobs(c),
@@ -118,7 +140,7 @@ class OpenAIServing:
 
     # ---- streaming ----------------------------------------------------------------------------
 
-    async def _stream(
+    async def stream_generator(
         self,
         request: CompletionRequest | ChatCompletionRequest,
         request_id: str,
