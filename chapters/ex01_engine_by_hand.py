@@ -19,7 +19,6 @@ from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.renderers.hf import PromptType
 
 
-# BEGIN EXERCISE 1.1
 def run_to_completion(
     engine: LLMEngine, request_id: str, prompt: PromptType, params: SamplingParams
 ) -> RequestOutput:
@@ -37,7 +36,6 @@ def run_to_completion(
             if output.request_id == request_id and output.finished:
                 return output
     raise RuntimeError(f"The engine ran out of work before request {request_id!r} finished.")
-# END EXERCISE 1.1
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -50,12 +50,10 @@ class RequestStatus(enum.IntEnum):
     def __str__(self) -> str:
         return self.name
 
-    # BEGIN EXERCISE 5.1
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
         """Finished means "ordered after PREEMPTED" -- no separate flag is kept."""
         return status > RequestStatus.PREEMPTED
-    # END EXERCISE 5.1
 
     @staticmethod
     def get_finished_reason(status: RequestStatus) -> FinishReason | None:

@@ -187,14 +187,20 @@ def test_grade_cli_reports_pass_and_fail(tiny_llama: str, capsys: pytest.Capture
     assert "Exercise 6.1: PASS" in out and "Exercise 6.1: FAIL" in out and "[FAIL] blocks from a byte budget" in out
 
 
-def test_generator_refuses_two_functions_in_one_region(tmp_path: Path) -> None:
-    from chapters.exercises import _exercises_in
+def test_a_target_that_names_no_function_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    import chapters.exercises
 
-    bad = tmp_path / "bad_exercise.py"
-    bad.write_text("# BEGIN EXERCISE 9.9\ndef a() -> None:\n    pass\n\n\ndef b() -> None:\n    pass\n"
-                   "# END EXERCISE 9.9\n")
-    with pytest.raises(ValueError, match="exactly one function"):
-        _exercises_in(bad)
+    targets = {**chapters.exercises.EXERCISE_TARGETS, "9.9": "nanoengine.core.kv_cache_manager:KVCacheManager.nope"}
+    monkeypatch.setattr(chapters.exercises, "EXERCISE_TARGETS", targets)
+    with pytest.raises(ValueError, match=r"exercise 9.9: nanoengine/core/kv_cache_manager.py defines no function "
+                                         r"'KVCacheManager.nope'"):
+        find_exercises()
+
+
+def test_no_exercise_marker_is_left_in_the_engine() -> None:
+    """The engine's sources describe the code; the exercises name their functions from outside."""
+    marked = [path for path in (REPO_ROOT / "nanoengine").rglob("*.py") if "EXERCISE" in path.read_text()]
+    assert not marked, marked
 
 
 @pytest.mark.parametrize("exercise_id", sorted(EXERCISES))

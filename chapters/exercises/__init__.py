@@ -1,20 +1,21 @@
-"""Graded exercises: where each one lives in the reference code, and its student stub.
+"""Graded exercises: which function of the reference code each one removes, and its stub.
 
 An exercise id such as ``4.1`` ties four things together:
 
-* a region of the reference code between ``# BEGIN EXERCISE 4.1`` and
-  ``# END EXERCISE 4.1`` comments, holding exactly one function or method
-  (``async def`` too: exercise 8.2 is a coroutine method);
+* one function or method of the reference code, named in ``EXERCISE_TARGETS``
+  below by its module and qualified name (``async def`` too: exercise 8.2 is a
+  coroutine method). The engine's sources carry nothing for the exercises;
+  their docstrings describe the code, the task is on the docs page;
 * the student stub ``chapters/exercises/ex4_1.py``, written by
   ``scripts/make_exercises.py``: same signature and docstring, body replaced by
   ``raise NotImplementedError``;
 * the pytest marker ``exercise_4_1`` on its grading test (tests/test_exercises.py);
 * the docs page ``docs/exercises/4.1.md`` (task, hints, what the grader checks).
 
-Nothing here is typed by hand per exercise: the registry is found by scanning the
-sources for the markers, so adding an exercise means adding markers, a page and
-its checks in ``chapters/grade_checks/``. No line number is stored anywhere;
-every location is recomputed from the current source.
+Adding an exercise means adding a line here, a page and its checks in
+``chapters/grade_checks/``. No line number is stored anywhere: every location
+is found again in the current source, by name, as the docs do for
+``{{ code("nanoengine.engine.core.EngineCore.step") }}``.
 
 vLLM 0.32 counterpart: none (teaching material).
 """
@@ -22,16 +23,29 @@ vLLM 0.32 counterpart: none (teaching material).
 from __future__ import annotations
 
 import ast
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXERCISES_DIR = Path(__file__).resolve().parent
-# Reference code lives in these packages; the stubs' own directory is not searched.
-_SEARCHED_PACKAGES = ("nanoengine", "chapters")
-_BEGIN = re.compile(r"^\s*# BEGIN EXERCISE (\d+\.\d+)\s*$")
-_END = re.compile(r"^\s*# END EXERCISE (\d+\.\d+)\s*$")
+# Each exercise and the function (or method) it asks for: "module:qualified name".
+EXERCISE_TARGETS: dict[str, str] = {
+    "1.1": "chapters.ex01_engine_by_hand:run_to_completion",
+    "3.1": "nanoengine.core.sched.step_plan:StepPlan.add",
+    "3.2": "nanoengine.core.sched.utils:select_preemption_victim",
+    "4.1": "nanoengine.core.kv_cache_manager:KVCacheManager.allocate_slots",
+    "4.2": "nanoengine.core.kv_cache_utils:hash_block_tokens",
+    "4.3": "nanoengine.core.kv_cache_utils:FreeKVCacheBlockQueue.remove",
+    "4.4": "nanoengine.core.kv_cache_coordinator:KVCacheCoordinator.get_num_blocks_to_allocate",
+    "4.5": "nanoengine.core.kv_cache_groups:align_hybrid_block_size",
+    "5.1": "nanoengine.request:RequestStatus.is_finished",
+    "5.2": "nanoengine.core.sched.scheduler:Scheduler._handle_blocked_waiting_request",
+    "6.1": "nanoengine.core.kv_cache_sizing:num_blocks_from_budget",
+    "6.2": "nanoengine.model_executor.layers.linear:QKVParallelLinear.weight_loader",
+    "7.1": "nanoengine.worker.input_batch:compute_slot_mapping",
+    "8.1": "nanoengine.engine.core_client:SyncMPClient.get_output",
+    "8.2": "nanoengine.engine.async_llm:AsyncLLM._run_output_handler",
+}
 # A marked definition: a plain function or method, or a coroutine one (``async def``).
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
 
@@ -78,11 +92,13 @@ class Exercise:
         return owner or None
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+def module_file(module: str) -> Path:
+    """The source file of a module of this repository (a package: its ``__init__.py``)."""
+    base = REPO_ROOT.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    raise ValueError(f"no module {module!r} under {REPO_ROOT}")
 
 
 def _definitions(tree: ast.Module) -> list[tuple[str, FunctionNode]]:
@@ -100,65 +116,17 @@ def _definitions(tree: ast.Module) -> list[tuple[str, FunctionNode]]:
     return found
 
 
-def first_line(node: FunctionNode) -> int:
-    """The definition's first line: its first decorator when it has any."""
-    return min([d.lineno for d in node.decorator_list] + [node.lineno])
-
-
-def _marked_regions(lines: list[str], path: Path) -> list[tuple[str, int, int]]:
-    """(id, begin line, end line) of every marked region in one file, 1-based."""
-    regions: list[tuple[str, int, int]] = []
-    open_id: str | None = None
-    open_line = 0
-    for number, text in enumerate(lines, start=1):
-        if begin := _BEGIN.match(text):
-            if open_id is not None:
-                raise ValueError(f"{path}: EXERCISE {begin[1]} begins inside EXERCISE {open_id}.")
-            open_id, open_line = begin[1], number
-        elif end := _END.match(text):
-            if end[1] != open_id:
-                raise ValueError(f"{path}: END EXERCISE {end[1]} does not close {open_id or 'anything'}.")
-            regions.append((end[1], open_line, number))
-            open_id = None
-    if open_id is not None:
-        raise ValueError(f"{path}: EXERCISE {open_id} is never closed by '# END EXERCISE {open_id}'.")
-    return regions
-
-
-def _exercises_in(path: Path) -> list[Exercise]:
-    source = path.read_text(encoding="utf-8")
-    if "# BEGIN EXERCISE" not in source:
-        return []
-    tree = ast.parse(source, str(path))
-    definitions = _definitions(tree)
-    found = []
-    for exercise_id, begin, end in _marked_regions(source.splitlines(), path):
-        inside = [(name, node) for name, node in definitions
-                  if begin < first_line(node) and node.end_lineno is not None and node.end_lineno < end]
-        # A method of a marked class would also be "inside"; keep the outermost ones.
-        outermost = [(name, node) for name, node in inside
-                     if not any(other is not node and name.startswith(other_name + ".")
-                                for other_name, other in inside)]
-        if len(outermost) != 1:
-            raise ValueError(
-                f"{path}: EXERCISE {exercise_id} must hold exactly one function or method, "
-                f"found {[name for name, _ in outermost]}."
-            )
-        qualname, node = outermost[0]
-        found.append(Exercise(exercise_id, path, _module_name(path), qualname, node))
-    return found
+def _exercise(exercise_id: str, target: str) -> Exercise:
+    """The exercise whose target is ``"module:qualname"``, parsed from the current source."""
+    module, _, qualname = target.partition(":")
+    path = module_file(module)
+    definitions = dict(_definitions(ast.parse(path.read_text(encoding="utf-8"), str(path))))
+    if qualname not in definitions:
+        raise ValueError(f"exercise {exercise_id}: {path.relative_to(REPO_ROOT)} defines no function {qualname!r}.")
+    return Exercise(exercise_id, path, module, qualname, definitions[qualname])
 
 
 def find_exercises() -> dict[str, Exercise]:
-    """Every marked exercise in the reference code, by id, in id order."""
-    found: dict[str, Exercise] = {}
-    for package in _SEARCHED_PACKAGES:
-        for path in sorted((REPO_ROOT / package).rglob("*.py")):
-            if EXERCISES_DIR in path.parents:
-                continue
-            for exercise in _exercises_in(path):
-                if exercise.exercise_id in found:
-                    other = found[exercise.exercise_id].path
-                    raise ValueError(f"EXERCISE {exercise.exercise_id} is marked twice: {other} and {path}.")
-                found[exercise.exercise_id] = exercise
-    return dict(sorted(found.items(), key=lambda item: tuple(map(int, item[0].split(".")))))
+    """Every exercise, by id, in id order, found by name in today's source."""
+    ordered = sorted(EXERCISE_TARGETS.items(), key=lambda item: tuple(map(int, item[0].split("."))))
+    return {exercise_id: _exercise(exercise_id, target) for exercise_id, target in ordered}

@@ -6,7 +6,8 @@ recomputed from today's source (none is ever typed into a page):
 * a dotted Python name: ``nanoengine.engine.core.EngineCore.step`` (a class,
   function or method, decorators included) or a whole module;
 * a named anchor: a region between ``# [anchor: NAME]`` and ``# [/anchor: NAME]``;
-* an exercise: ``exercise-4.1`` is the region between the exercise markers.
+* an exercise: ``exercise-4.1`` is the function the exercise asks for
+  (``EXERCISE_TARGETS`` in ``chapters/exercises/``).
 
 An unknown or ambiguous name raises ``LookupError``; the hook turns it into a
 failed build.
@@ -29,8 +30,6 @@ _KERNEL_SUFFIXES = (".cpp", ".h")
 # "# [anchor: NAME]" in Python, "// [anchor: NAME]" in C++.
 _ANCHOR_OPEN = re.compile(r"(?:#|//)\s*\[anchor:\s*([\w.-]+)\s*\]")
 _ANCHOR_CLOSE = re.compile(r"(?:#|//)\s*\[/anchor:\s*([\w.-]+)\s*\]")
-_EXERCISE_OPEN = re.compile(r"#\s*BEGIN EXERCISE (\d+\.\d+)\s*$")
-_EXERCISE_CLOSE = re.compile(r"#\s*END EXERCISE (\d+\.\d+)\s*$")
 
 
 @dataclass(frozen=True)
@@ -69,18 +68,16 @@ def shown_files() -> list[Path]:
 
 @cache
 def _marked_regions() -> dict[str, CodeRegion]:
-    """Named anchors and exercise regions of every source file."""
+    """Named anchors of every source file."""
     found: dict[str, CodeRegion] = {}
     for path in shown_files():
         opened: dict[str, int] = {}
         for number, line in enumerate((ROOT / path).read_text(encoding="utf-8").splitlines(), start=1):
-            for pattern, prefix, is_open in ((_ANCHOR_OPEN, "", True), (_ANCHOR_CLOSE, "", False),
-                                             (_EXERCISE_OPEN, "exercise-", True),
-                                             (_EXERCISE_CLOSE, "exercise-", False)):
+            for pattern, is_open in ((_ANCHOR_OPEN, True), (_ANCHOR_CLOSE, False)):
                 match = pattern.search(line)
                 if match is None:
                     continue
-                name = prefix + match[1]
+                name = match[1]
                 if is_open:
                     opened[name] = number
                 elif name not in opened:
@@ -133,10 +130,23 @@ def _dotted_region(name: str) -> CodeRegion | None:
     return None
 
 
+def _exercise_region(name: str) -> CodeRegion | None:
+    """``exercise-4.1``: the reference function of that exercise, by its dotted name."""
+    from chapters.exercises import EXERCISE_TARGETS
+
+    target = EXERCISE_TARGETS.get(name.removeprefix("exercise-"))
+    if target is None:
+        return None
+    region = _dotted_region(target.replace(":", "."))
+    return None if region is None else CodeRegion(name, region.path, region.start, region.end)
+
+
 def find_region(name: str) -> CodeRegion:
     """The region called ``name`` in the current source, or LookupError."""
     if name.partition(".")[0] in SOURCE_PACKAGES:
         region = _dotted_region(name)
+    elif name.startswith("exercise-"):
+        region = _exercise_region(name)
     else:
         region = _marked_regions().get(name)
     if region is None:

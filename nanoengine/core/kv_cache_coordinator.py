@@ -55,7 +55,6 @@ class KVCacheCoordinator(ABC):
         """The request's block table in each group (empty for an unknown request)."""
         return tuple(manager.get_blocks(request_id) for manager in self.single_type_managers)
 
-    # BEGIN EXERCISE 4.4
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]
     ) -> int:
@@ -70,7 +69,6 @@ class KVCacheCoordinator(ABC):
             manager.get_num_blocks_to_allocate(request_id, num_tokens, hit_blocks)
             for manager, hit_blocks in zip(self.single_type_managers, new_computed_blocks, strict=True)
         )
-    # END EXERCISE 4.4
 
     def allocate_new_computed_blocks(
         self, request_id: str, new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]

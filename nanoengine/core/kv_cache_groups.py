@@ -131,7 +131,6 @@ def group_kv_cache_layers(layer_specs: Mapping[int, KVCacheSpec]) -> KVCacheLayo
     )
 
 
-# BEGIN EXERCISE 4.5
 def align_hybrid_block_size(requested: int, attention_bytes_per_token: int, state_bytes: int) -> int:
     """The attention block size once an attention page must hold a whole state.
 
@@ -148,9 +147,6 @@ def align_hybrid_block_size(requested: int, attention_bytes_per_token: int, stat
         return requested
     bytes_per_step = ATTENTION_BLOCK_ALIGNMENT * attention_bytes_per_token
     return max(requested, ATTENTION_BLOCK_ALIGNMENT * cdiv(state_bytes, bytes_per_step))
-
-
-# END EXERCISE 4.5
 
 
 def _the_one_spec(

@@ -105,7 +105,6 @@ class KVCacheManager:
         self.prefix_cache_stats.record(request.num_tokens, num_computed_tokens)
         return KVCacheBlocks(hit_blocks), num_computed_tokens
 
-    # BEGIN EXERCISE 4.1
     def allocate_slots(
         self,
         request: Request,
@@ -162,7 +161,6 @@ class KVCacheManager:
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             self.coordinator.cache_blocks(request, num_tokens_to_cache)
         return KVCacheBlocks(new_blocks)
-    # END EXERCISE 4.1
 
     def free(self, request: Request) -> None:
         """Release every block of a finished or preempted request.

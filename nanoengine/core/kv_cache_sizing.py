@@ -24,7 +24,6 @@ from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from nanoengine.utils.mem_utils import format_bytes
 
 
-# BEGIN EXERCISE 6.1
 def num_blocks_from_budget(available_bytes: int, spec: FullAttentionSpec | KVCacheLayout) -> int:
     """How many whole blocks fit in ``available_bytes``.
 
@@ -33,9 +32,6 @@ def num_blocks_from_budget(available_bytes: int, spec: FullAttentionSpec | KVCac
     size is ``spec.page_size_bytes``; a partial block is useless, hence floor.
     """
     return max(available_bytes // spec.page_size_bytes, 0)
-
-
-# END EXERCISE 6.1
 
 
 def check_enough_kv_cache_memory(

@@ -94,7 +94,6 @@ class FreeKVCacheBlockQueue:
             raise ValueError(f"Cannot pop {n} blocks: only {self.num_free_blocks} are free.")
         return [self.popleft() for _ in range(n)]
 
-    # BEGIN EXERCISE 4.3
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink ``block`` from wherever it is in the queue, in O(1).
 
@@ -109,7 +108,6 @@ class FreeKVCacheBlockQueue:
         # Cleared pointers are how we recognise "not in the queue" later.
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
-    # END EXERCISE 4.3
 
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the tail: it becomes the last candidate for eviction."""
@@ -136,7 +134,6 @@ class FreeKVCacheBlockQueue:
         return result
 
 
-# BEGIN EXERCISE 4.2
 def hash_block_tokens(parent_block_hash: BlockHash | None, curr_block_token_ids: Sequence[int]) -> BlockHash:
     """Hash one full block, chained on the hash of the block before it.
 
@@ -152,7 +149,6 @@ def hash_block_tokens(parent_block_hash: BlockHash | None, curr_block_token_ids:
     # "<{n}q": n signed 64-bit little-endian ints, wide enough for any vocab.
     packed = struct.pack(f"<{len(curr_block_token_ids)}q", *curr_block_token_ids)
     return hashlib.sha256(parent + packed).digest()
-# END EXERCISE 4.2
 
 
 def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:

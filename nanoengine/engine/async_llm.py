@@ -127,33 +127,16 @@ class AsyncLLM(LLMEngine):
         if self.output_handler is None or self.output_handler.done():
             self.output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
 
-    # BEGIN EXERCISE 8.2
     async def _run_output_handler(self) -> None:
-        """Pull the core's outputs forever and route each to its request's queue.
+        """Pull the core's outputs and route each to its request's queue, until the core dies.
 
-        The one task that feeds every request's generator. In a loop without end:
-
-        * wait for the core's next batch with ``await self.client.get_output_async()``
-          (an empty batch is normal: it comes after a short wait with none);
-        * turn its ``outputs`` into ``RequestOutput``s with
-          ``self.output_processor.process_outputs``;
-        * the processed result's ``reqs_to_abort`` are requests that hit a stop
-          string, which only the front end can see: abort them in the core
-          with ``self.client.abort_requests``, so it stops computing them;
-        * put each ``RequestOutput`` into the queue of its request in
-          ``self.collectors`` (a dict: request id -> ``asyncio.Queue``); an id
-          with no queue (its consumer went away) is skipped, without error;
-        * call every function in ``self.finished_listeners`` with each finished
-          ``RequestOutput``, once each, whether or not its request still has a
-          queue (a server's metrics count it).
-
-        Any exception -- above all the ``EngineDeadError`` of a dead core -- ends
-        the loop: record it in ``self.dead_error`` and put it into every
-        request's queue, so each waiting generator raises it instead of
-        waiting forever. The method then returns; it never raises itself.
-        Cancelling the task (``shutdown`` does) is no death: the
-        ``asyncio.CancelledError`` ends it, ``dead_error`` stays None and no
-        queue is told.
+        The one task that feeds every request's generator. Stop strings are
+        found only here, on the text, so their requests are aborted in the core
+        too; a finished output also goes to every ``finished_listeners`` entry
+        (a server's metrics), queue or no queue. Any exception (a dead core's
+        ``EngineDeadError`` above all) is kept in ``dead_error`` and put into
+        every queue, so no generator waits forever; ``shutdown`` cancelling the
+        task ends it quietly.
         """
         try:
             while True:
@@ -172,7 +155,6 @@ class AsyncLLM(LLMEngine):
             self.dead_error = error
             for queue in self.collectors.values():
                 queue.put_nowait(error)
-    # END EXERCISE 8.2
 
     def shutdown(self) -> None:
         if self.output_handler is not None:

@@ -290,24 +290,14 @@ class SyncMPClient(MPClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(EngineCoreRequestType.ADD, request)
 
-    # BEGIN EXERCISE 8.1
     def get_output(self) -> EngineCoreOutputs:
         """The core's next batch of outputs, waiting at most ``_OUTPUT_WAIT_S`` seconds for one.
 
-        ``self.outputs_queue`` holds what the background threads received, in
-        order: each batch of ``EngineCoreOutputs`` the core sent, and, if the
-        core process dies, the ``EngineDeadError`` the monitor thread puts
-        there last (it also sets ``self._dead`` to that error).
-
-        * A batch in the queue, or one that arrives during the wait: return it.
-          Batches come out in the order they were queued, so the batches sent
-          before a death are all returned before the error is raised.
-        * Nothing within ``_OUTPUT_WAIT_S``: return an empty
-          ``EngineCoreOutputs()`` (never ``None``, never a wait without end), so
-          that the caller's loop can look at its own state and call again --
-          unless the engine is dead (``self._dead`` is set): then raise
-          ``self._dead``.
-        * The ``EngineDeadError`` itself comes out of the queue: raise it.
+        ``outputs_queue`` holds, in order, the batches the output thread
+        received and, last, the ``EngineDeadError`` the monitor thread puts
+        there when the core process dies: every batch sent before a death comes
+        out before the error. An empty batch after the wait lets the caller's
+        loop look at its own state; a dead engine raises instead.
         """
         try:
             outputs = self.outputs_queue.get(timeout=_OUTPUT_WAIT_S)
@@ -318,7 +308,6 @@ class SyncMPClient(MPClient):
         if isinstance(outputs, EngineDeadError):
             raise outputs
         return outputs
-    # END EXERCISE 8.1
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self._send(EngineCoreRequestType.ABORT, list(request_ids))

@@ -82,7 +82,6 @@ def order_decodes_first(num_scheduled_tokens: dict[str, int]) -> list[str]:
     return decodes + prefills
 
 
-# BEGIN EXERCISE 7.1
 def compute_slot_mapping(
     block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, block_size: int
 ) -> torch.Tensor:
@@ -96,9 +95,6 @@ def compute_slot_mapping(
     # [num_tokens] physical block id of each token
     block_ids = block_table[req_indices, positions // block_size].to(torch.int64)
     return block_ids * block_size + positions % block_size
-
-
-# END EXERCISE 7.1
 
 
 def build_block_table(states: list[CachedRequestState], kv_cache_group_id: int) -> torch.Tensor:

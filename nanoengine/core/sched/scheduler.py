@@ -345,7 +345,6 @@ class Scheduler:
 
     # ---- blocked waiting (chapter 5) -----------------------------------------
 
-    # BEGIN EXERCISE 5.2
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         """Promote ``request`` if what it waits for is ready; True if it may be scheduled now.
 
@@ -378,8 +377,6 @@ class Scheduler:
             return True
         request.status = RequestStatus.PREEMPTED if request.num_preemptions > 0 else RequestStatus.WAITING
         return True
-
-    # END EXERCISE 5.2
 
     def _park_streaming_requests(self) -> None:
         """Move running streams that computed all they have to the waiting queue.

@@ -40,7 +40,6 @@ class StepPlan:
     new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     preempted_reqs: list[Request] = field(default_factory=list)
 
-    # BEGIN EXERCISE 3.1
     def add(self, request: Request, num_new_tokens: int, new_blocks: KVCacheBlocks, is_new: bool) -> None:
         """Book ``num_new_tokens`` of ``request`` into this step, paying from the budget."""
         self.num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -50,7 +49,6 @@ class StepPlan:
         else:
             self.cached_reqs.append(request)
             self.new_block_ids[request.request_id] = new_blocks.get_block_ids()
-    # END EXERCISE 3.1
 
     def undo(self, request: Request) -> None:
         """Cancel the booking of a running request preempted later in the same step.

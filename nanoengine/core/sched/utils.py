@@ -21,7 +21,6 @@ from nanoengine.logprobs import LogprobsLists
 from nanoengine.request import Request, RequestStatus
 
 
-# BEGIN EXERCISE 3.2
 def select_preemption_victim(running: list[Request], policy: SchedulingPolicy) -> int:
     """Index in ``running`` of the request to preempt when KV blocks run out.
 
@@ -44,7 +43,6 @@ def select_preemption_victim(running: list[Request], policy: SchedulingPolicy) -
         range(len(running)),
         key=lambda index: (running[index].priority, running[index].arrival_time, index),
     )
-# END EXERCISE 3.2
 
 
 def select_victim_for_admission(running: list[Request], request: Request, policy: SchedulingPolicy) -> int | None:

@@ -232,7 +232,6 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         sizes = [self.q_size * tp_size, self.kv_size * tp_size, self.kv_size * tp_size]
         super().__init__(hidden_size, sizes, bias, shard_ids=("q", "k", "v"))
 
-    # BEGIN EXERCISE 6.2
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None
     ) -> None:
@@ -266,7 +265,6 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         check_shape(loaded_weight, (total_heads * self.head_size, *param.shape[1:]), f"The shard {shard_id!r}")
         mine = loaded_weight.narrow(0, first_head * self.head_size, rows)
         copy_weight(param.data.narrow(0, offset, rows), mine, f"shard {shard_id!r}")
-    # END EXERCISE 6.2
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[num_tokens, q + 2 * kv] -> q [num_tokens, q_size], k and v [num_tokens, kv_size]."""
