@@ -14,6 +14,12 @@ what differs (``chapters/grade_messages.py``). The same machinery backs
 ``tests/test_exercises.py`` (pytest marker ``exercise_4_1``; ``NANOENGINE_STUDENT=1``
 grades the stubs instead of the reference).
 
+Every check runs under a watchdog (``run_with_deadline``): the student's code
+runs on a thread of its own, and a check that has not returned by its deadline
+(``Check.deadline_s``) fails as a probable blocking call, while the grader puts
+the reference back and goes on to the next check. A blocked thread or event
+loop cannot hang the grader; it ends with the process.
+
 Chapters 1, 3-8 (the exercises). vLLM 0.32 counterpart: none (teaching material).
 """
 
@@ -24,6 +30,8 @@ import functools
 import importlib
 import inspect
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -89,17 +97,71 @@ def swapped_in(exercise: Exercise, candidate: Callable[..., Any]) -> Iterator[No
 # [/anchor: grader-swap]
 
 
+class DidNotReturn(Exception):
+    """A check ran past its deadline: the student's code is probably blocked."""
+
+
+# Seconds between two "still running" lines while a check runs.
+_PROGRESS_EVERY_S = 10.0
+
+
+def run_with_deadline(
+    run: Callable[[], Any], deadline_s: float, still_running: Callable[[float], None] | None = None
+) -> Any:
+    """``run()`` on a thread of its own; its result, or its exception, or ``DidNotReturn``.
+
+    The thread is a daemon: if it never returns (a ``queue.get()`` with no
+    timeout, an event loop blocked by a synchronous call), it is left behind
+    and ends with the process. ``still_running(seconds)`` is called every
+    ``_PROGRESS_EVERY_S`` seconds while it runs.
+    """
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = run()
+        except BaseException as exc:  # noqa: BLE001 -- handed to the caller's thread as it is
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=target, name="grader-check", daemon=True)
+    start = time.monotonic()
+    worker.start()
+    while worker.is_alive():
+        waited = time.monotonic() - start
+        if waited >= deadline_s:
+            raise DidNotReturn(
+                f"did not return within {deadline_s:.0f} s -- a blocking call? (a wait with no timeout, "
+                "or a synchronous call inside an async def, never returns)"
+            )
+        worker.join(min(_PROGRESS_EVERY_S, deadline_s - waited))
+        if worker.is_alive() and still_running is not None:
+            still_running(time.monotonic() - start)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
+
+
 @functools.cache
 def _reference_result(exercise_id: str, check_name: str, model: str) -> Any:
     check = next(c for c in CHECKS[exercise_id] if c.name == check_name)
     return check.run(model)
 
 
-def _run_check(exercise: Exercise, check: Check, candidate: Callable[..., Any], model: str) -> CheckResult:
+def _run_check(
+    exercise: Exercise,
+    check: Check,
+    candidate: Callable[..., Any],
+    model: str,
+    still_running: Callable[[float], None] | None = None,
+) -> CheckResult:
     expected = _reference_result(exercise.exercise_id, check.name, model)
     try:
+        # The swap is undone here, on the grader's thread, even when the check's
+        # own thread never comes back: later checks see the reference again.
         with swapped_in(exercise, candidate):
-            actual = check.run(model)
+            actual = run_with_deadline(lambda: check.run(model), check.deadline_s, still_running)
+    except DidNotReturn as exc:
+        return CheckResult(check.name, False, str(exc))
     except Exception as exc:  # noqa: BLE001 -- any failure of the candidate is a failed check
         return CheckResult(check.name, False, describe_exception(exc, _source_file(candidate)))
     differences = describe_difference(expected, actual)
@@ -115,15 +177,21 @@ def _source_file(function: Callable[..., Any]) -> Path | None:
     return Path(found).resolve() if found else None
 
 
-def iter_grade(exercise_id: str, candidate: Callable[..., Any], model: str) -> Iterator[CheckResult]:
+def iter_grade(
+    exercise_id: str,
+    candidate: Callable[..., Any],
+    model: str,
+    still_running: Callable[[float], None] | None = None,
+) -> Iterator[CheckResult]:
     """Each check of one exercise in order, run with ``candidate`` swapped in, as it finishes."""
     exercises = find_exercises()
     if exercise_id not in exercises:
         raise ValueError(f"Unknown exercise {exercise_id!r}; known: {', '.join(exercises)}.")
     if exercise_id not in CHECKS:
-        raise ValueError(f"Exercise {exercise_id} is marked in the code but has no checks in chapters/grade_checks/.")
+        raise ValueError(f"Exercise {exercise_id} is named in EXERCISE_TARGETS but has no checks in "
+                         "chapters/grade_checks/.")
     for check in CHECKS[exercise_id]:
-        yield _run_check(exercises[exercise_id], check, candidate, model)
+        yield _run_check(exercises[exercise_id], check, candidate, model, still_running)
 
 
 def grade(
@@ -156,6 +224,10 @@ def _report(exercise_id: str, results: Iterator[CheckResult], model: str) -> boo
     return passed
 
 
+def _print_still_running(seconds: float) -> None:
+    print(f"        ... still running ({seconds:.0f} s)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     from chapters._common import DEFAULT_MODEL  # the CLI grades on the real model by default
 
@@ -183,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     for exercise_id in ids:
         exercise = exercises[exercise_id]
         candidate = reference_function(exercise) if args.reference else student_function(exercise)
-        ok = _report(exercise_id, iter_grade(exercise_id, candidate, args.model), args.model) and ok
+        results = iter_grade(exercise_id, candidate, args.model, still_running=_print_still_running)
+        ok = _report(exercise_id, results, args.model) and ok
     return 0 if ok else 1
 
 

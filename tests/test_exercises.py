@@ -222,3 +222,18 @@ def test_grader_rejects_each_mutant_and_names_the_behaviour(mutant: Mutant, tiny
         f"caught by {first_failure.name!r}, not {mutant.caught_by!r}:\n{first_failure.detail}"
     )
     assert first_failure.detail.strip(), "the failure says nothing about what differs"
+
+
+def test_a_check_that_never_returns_fails_by_its_deadline_and_the_grader_goes_on() -> None:
+    """The watchdog itself, on a toy check: a blocked call, then a normal one."""
+    import threading
+
+    from chapters.grade import DidNotReturn, run_with_deadline
+
+    never = threading.Event()
+    ticks: list[float] = []
+    with pytest.raises(DidNotReturn, match=r"did not return within 1 s -- a blocking call\?"):
+        run_with_deadline(never.wait, 1.0, ticks.append)
+    assert run_with_deadline(lambda: 42, 1.0) == 42
+    with pytest.raises(ZeroDivisionError):
+        run_with_deadline(lambda: 1 / 0, 1.0)

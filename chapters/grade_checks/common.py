@@ -17,12 +17,26 @@ from nanoengine.renderers.hf import TokensPrompt
 from nanoengine.request import Request
 
 
+# How long one check may run before the grader calls it a hang and moves on
+# (chapters/grade.py). A unit check calls the student's function on small
+# inputs: well under a second. An end-to-end check (its name says so) builds a
+# small engine and generates: under half a minute on a 2-core laptop. Both
+# limits leave room for a slow machine, and both end a hang within 2 minutes.
+UNIT_CHECK_DEADLINE_S = 30.0
+END_TO_END_DEADLINE_S = 110.0
+
+
 @dataclass(frozen=True)
 class Check:
     """One named comparison: ``run(model_dir)`` must give the reference's result."""
 
     name: str
     run: Callable[[str], Any]
+
+    @property
+    def deadline_s(self) -> float:
+        """Seconds the check may take before it fails as "did not return"."""
+        return END_TO_END_DEADLINE_S if self.name.startswith("end to end") else UNIT_CHECK_DEADLINE_S
 
 
 # ------------------------------------------------------------------ end to end

@@ -1,9 +1,8 @@
 """Wrong answers to the chapter-8 exercises (see ``__init__.py``).
 
-None of them can hang the grader: a ``get_output`` that blocks without a
-timeout, or an output handler that never yields, would stop the test run
-rather than fail a check, so those mistakes are described on the pages
-instead of planted here.
+One of them blocks for ever (a ``get_output`` that waits with no timeout): the
+grader's watchdog (``run_with_deadline`` in chapters/grade.py) must fail that
+check after its deadline and name it, and the test run goes on.
 """
 
 from __future__ import annotations
@@ -17,6 +16,12 @@ MUTANTS: list[Mutant] = [
         "does not wait: get_nowait() instead of get(timeout=_OUTPUT_WAIT_S)",
         mutate("8.1", ("self.outputs_queue.get(timeout=_OUTPUT_WAIT_S)", "self.outputs_queue.get_nowait()")),
         caught_by="waits for a batch that arrives during the wait",
+    ),
+    Mutant(
+        "8.1",
+        "waits for ever: get() with no timeout (the grader must not hang)",
+        mutate("8.1", ("self.outputs_queue.get(timeout=_OUTPUT_WAIT_S)", "self.outputs_queue.get()")),
+        caught_by="nothing within the wait: an empty EngineCoreOutputs, not None, not a hang",
     ),
     Mutant(
         "8.1",
