@@ -222,6 +222,10 @@ def test_grader_rejects_each_mutant_and_names_the_behaviour(mutant: Mutant, tiny
         f"caught by {first_failure.name!r}, not {mutant.caught_by!r}:\n{first_failure.detail}"
     )
     assert first_failure.detail.strip(), "the failure says nothing about what differs"
+    # It speaks of the student's code, never of the grader's own stand-ins.
+    assert "_Scripted" not in first_failure.detail and "grade_checks" not in first_failure.detail, (
+        first_failure.detail
+    )
 
 
 def test_a_check_that_never_returns_fails_by_its_deadline_and_the_grader_goes_on() -> None:

@@ -238,6 +238,18 @@ class _ScriptedClient:
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         self.abort_requests(request_ids)
 
+    def get_output(self) -> EngineCoreOutputs:
+        raise RuntimeError(
+            "called self.client.get_output(), which blocks until the core sends a batch: inside an "
+            "async def that stops the whole event loop. Await self.client.get_output_async() instead."
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"called self.client.{name}, which exercise 8.2 does not use: the handler needs "
+            "get_output_async() and abort_requests() (see docs/exercises/8.2.md)."
+        )
+
 
 class _ScriptedProcessor:
     """Stands in for ``OutputProcessor``: one ``RequestOutput`` per core output, with the
@@ -285,7 +297,17 @@ def _stand_in(client: _ScriptedClient, processor: _ScriptedProcessor, request_id
     engine.output_handler = None
     engine.dead_error = None
     engine.finished_listeners = []
+    engine.abort_request = _wrong_abort
     return engine
+
+
+def _wrong_abort(request_ids: Any) -> None:
+    """What ``self.abort_request`` does in these checks: say why it is the wrong call."""
+    raise RuntimeError(
+        f"called self.abort_request({request_ids!r}): that one is for a consumer that went away (it drops "
+        "the request's queue, so its final output would be lost). A request that hit a stop string is "
+        "aborted in the core: self.client.abort_requests(...)."
+    )
 
 
 def _how_it_ended(handler: asyncio.Future[None]) -> str:

@@ -76,6 +76,19 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "8.2",
+        "aborts with self.abort_request (the consumer's call) instead of self.client.abort_requests",
+        mutate("8.2", ("self.client.abort_requests(processed.reqs_to_abort)",
+                       "self.abort_request(processed.reqs_to_abort)")),
+        caught_by="requests that hit a stop string are aborted in the core",
+    ),
+    Mutant(
+        "8.2",
+        "calls the blocking client.get_output() inside the async handler",
+        mutate("8.2", ("await self.client.get_output_async()", "self.client.get_output()")),
+        caught_by="each output goes to its own request's queue",
+    ),
+    Mutant(
+        "8.2",
         "finished listeners never called",
         mutate("8.2", ("listener(output)", "pass")),
         caught_by="every finished output goes to every finished listener, once",
