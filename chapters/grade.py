@@ -211,9 +211,21 @@ def grade(
     return results
 
 
+def models_used(exercise_id: str, model: str) -> str:
+    """What the exercise's checks run on, in words: "no model (unit check), ..."."""
+    return ", ".join(dict.fromkeys(check.runs_on(model) for check in CHECKS[exercise_id]))
+
+
+def list_checks(exercise_id: str, model: str) -> list[str]:
+    """One line per check: its name, what it runs on, its deadline (``--list``)."""
+    return [f"  {check.name}  [{check.runs_on(model)}; at most {check.deadline_s:.0f} s]"
+            for check in CHECKS[exercise_id]]
+
+
 def _report(exercise_id: str, results: Iterator[CheckResult], model: str) -> bool:
     """Print each check's result the moment it is known (an end-to-end check builds an engine)."""
-    print(f"Exercise {exercise_id}: {len(CHECKS[exercise_id])} checks on {model}", flush=True)
+    checks = len(CHECKS[exercise_id])
+    print(f"Exercise {exercise_id}: {checks} checks, on {models_used(exercise_id, model)}", flush=True)
     passed = True
     for result in results:
         passed = passed and result.passed
@@ -236,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="grade every exercise")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model for the end-to-end checks")
     parser.add_argument("--reference", action="store_true", help="grade the reference itself (sanity check)")
+    parser.add_argument("--list", action="store_true", help="list the checks (what each runs on), grade nothing")
     parser.add_argument("--reset", action="store_true",
                         help="put back the untouched stub of this one exercise (your code in it is lost)")
     args = parser.parse_args(argv)
@@ -251,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Exercise {args.exercise}: {path.relative_to(REPO_ROOT)} is the untouched stub again.")
         return 0
     ids = list(exercises) if args.all else [args.exercise]
+    if args.list:
+        for exercise_id in ids:
+            print(f"Exercise {exercise_id} ({len(CHECKS[exercise_id])} checks):")
+            print("\n".join(list_checks(exercise_id, args.model)))
+        return 0
     ok = True
     for exercise_id in ids:
         exercise = exercises[exercise_id]

@@ -241,3 +241,17 @@ def test_a_check_that_never_returns_fails_by_its_deadline_and_the_grader_goes_on
     assert run_with_deadline(lambda: 42, 1.0) == 42
     with pytest.raises(ZeroDivisionError):
         run_with_deadline(lambda: 1 / 0, 1.0)
+
+
+def test_list_names_every_check_and_what_it_really_runs_on(capsys: pytest.CaptureFixture[str]) -> None:
+    import chapters.grade
+
+    assert chapters.grade.main(["--all", "--list", "--model", "SmolLM2-135M-Instruct"]) == 0
+    out = capsys.readouterr().out
+    for exercise_id, exercise in EXERCISES.items():
+        assert f"Exercise {exercise_id} (" in out, exercise.qualname
+    assert "end to end: greedy tokens on a tiny hybrid model  [the grader's tiny Qwen3.5; at most 110 s]" in out
+    assert "[no model (unit check); at most 30 s]" in out and "[SmolLM2-135M-Instruct; at most 110 s]" in out
+    assert chapters.grade.models_used("4.4", "SmolLM2-135M-Instruct") == (
+        "no model (unit check), the grader's tiny Qwen3.5"
+    )

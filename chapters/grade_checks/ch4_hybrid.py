@@ -302,8 +302,8 @@ CHECKS: dict[str, tuple[Check, ...]] = {
               counts_cache_hits),
         Check("all or nothing across groups: short of blocks, no group gets one; an exact fit is admitted",
               all_or_nothing_across_groups),
-        Check("end to end: greedy tokens on a tiny hybrid model", e2e_hybrid_generation),
-        Check("end to end: preemption on a tiny hybrid model", e2e_hybrid_preemption),
+        Check("end to end: greedy tokens on a tiny hybrid model", e2e_hybrid_generation, own_model="the grader's tiny Qwen3.5"),
+        Check("end to end: preemption on a tiny hybrid model", e2e_hybrid_preemption, own_model="the grader's tiny Qwen3.5"),
     ),
     "4.5": (
         Check("no state: the requested block size is kept", no_state),
@@ -313,6 +313,7 @@ CHECKS: dict[str, tuple[Check, ...]] = {
               aligned_to_16),
         Check("a larger requested block size is kept as it is", larger_request_kept),
         Check("Qwen3.5-0.8B: 4096 bytes of K/V a token in fp32, its state -> 288 tokens", qwen3_5_0_8b),
-        Check("end to end: a tiny hybrid model's 4-token blocks are raised to 16", e2e_block_size_raised),
+        Check("end to end: a tiny hybrid model's 4-token blocks are raised to 16", e2e_block_size_raised,
+              own_model="the grader's tiny Qwen3.5"),
     ),
 }

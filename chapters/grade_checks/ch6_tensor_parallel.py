@@ -375,7 +375,8 @@ CHECKS: dict[str, tuple[Check, ...]] = {
         Check("the bias is split and placed like the weight", bias_split_the_same_way),
         Check("a tensor of the wrong shape: ValueError naming both shapes, nothing copied", wrong_shapes_refused),
         Check("an unknown shard id: ValueError, nothing copied", unknown_shard_refused),
-        Check("end to end: two ranks of a tiny Llama give Hugging Face's logits", e2e_two_ranks_match_hf),
+        Check("end to end: two ranks of a tiny Llama give Hugging Face's logits", e2e_two_ranks_match_hf,
+              own_model="the grader's two tiny Llamas"),
         Check("end to end: greedy tokens through LLM at one rank", e2e_one_rank_generation),
     ),
 }

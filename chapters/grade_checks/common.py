@@ -32,6 +32,15 @@ class Check:
 
     name: str
     run: Callable[[str], Any]
+    # The model an end-to-end check builds when it is not the one the grader is
+    # given (``--model``): a tiny model written by the grader itself.
+    own_model: str | None = None
+
+    def runs_on(self, model: str) -> str:
+        """What the check runs on, in words, for the grader's header and ``--list``."""
+        if not self.name.startswith("end to end"):
+            return "no model (unit check)"
+        return self.own_model or model
 
     @property
     def deadline_s(self) -> float:
