@@ -21,6 +21,9 @@ from typing import Any
 
 from chapters.exercises import REPO_ROOT
 
+# The grader's checks and stand-ins: an exception raised there is described by its message.
+_GRADER_CHECKS = REPO_ROOT / "chapters" / "grade_checks"
+
 # A sequence whose text is this short is shown whole; a longer one element by element.
 _SHOW_WHOLE_CHARS = 100
 # Past this many differing places the rest are counted, not listed.
@@ -78,9 +81,17 @@ def describe_exception(error: BaseException, candidate_file: Path | None) -> str
     in_candidate = [f for f in frames if candidate_file is not None and Path(f.filename) == candidate_file]
     if in_candidate:
         lines.append(f"  in your code at {_where(in_candidate[-1])}")
-    if raised_at is not None and (not in_candidate or raised_at is not in_candidate[-1]):
+    # Where it was raised, when that says something: an engine line your code
+    # called, say. The grader's own stand-ins and checks are not shown: their
+    # message already says what your code did.
+    shown = raised_at is not None and not _is_grader_code(raised_at)
+    if shown and raised_at is not None and (not in_candidate or raised_at is not in_candidate[-1]):
         lines.append(f"  raised at {_where(raised_at)}")
     return "\n".join(lines)
+
+
+def _is_grader_code(frame: traceback.FrameSummary) -> bool:
+    return Path(frame.filename).resolve().is_relative_to(_GRADER_CHECKS)
 
 
 def _where(frame: traceback.FrameSummary) -> str:

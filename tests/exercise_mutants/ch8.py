@@ -1,8 +1,9 @@
 """Wrong answers to the chapter-8 exercises (see ``__init__.py``).
 
-One of them blocks for ever (a ``get_output`` that waits with no timeout): the
-grader's watchdog (``run_with_deadline`` in chapters/grade.py) must fail that
-check after its deadline and name it, and the test run goes on.
+Two of them block for ever (8.1: a ``get_output`` that waits with no timeout;
+8.2: a handler that blocks its event loop): the grader's watchdog
+(``run_with_deadline`` in chapters/grade.py) must fail the check after its
+deadline and name it, and the test run goes on.
 """
 
 from __future__ import annotations
@@ -85,6 +86,13 @@ MUTANTS: list[Mutant] = [
         "8.2",
         "calls the blocking client.get_output() inside the async handler",
         mutate("8.2", ("await self.client.get_output_async()", "self.client.get_output()")),
+        caught_by="each output goes to its own request's queue",
+    ),
+    Mutant(
+        "8.2",
+        "blocks the event loop (a synchronous sleep before each await): the grader must not hang",
+        mutate("8.2", ("core_outputs = await self.client.get_output_async()",
+                       "core_outputs = __import__('time').sleep(3600) or await self.client.get_output_async()")),
         caught_by="each output goes to its own request's queue",
     ),
     Mutant(
