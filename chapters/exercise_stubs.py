@@ -84,6 +84,20 @@ def _imports(exercise: Exercise, reference: types.ModuleType) -> list[str]:
     return _isort_layout(plain | froms)
 
 
+def extra_imports(exercise: Exercise) -> list[str]:
+    """The imports the reference body needs beyond the stub's own (its signature's).
+
+    Every exercise page names these (tests/test_exercises.py checks it): a
+    student should not have to guess where a constant or a helper lives.
+    """
+    node, reference = exercise.node, importlib.import_module(exercise.module)
+    loaded = {n.id for statement in node.body[1:] for n in ast.walk(statement)
+              if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    stub_names = _annotation_names(node) | {exercise.class_name or ""}
+    wanted = sorted(name for name in loaded - stub_names if name in vars(reference))
+    return [line for name in wanted if (line := _import_line(name, reference)) is not None]
+
+
 def _isort_layout(lines: set[str]) -> list[str]:
     """Standard library, third party, first party, blank-line separated, as isort (and ruff) want."""
     def section(line: str) -> int:

@@ -255,3 +255,15 @@ def test_list_names_every_check_and_what_it_really_runs_on(capsys: pytest.Captur
     assert chapters.grade.models_used("4.4", "SmolLM2-135M-Instruct") == (
         "no model (unit check), the grader's tiny Qwen3.5"
     )
+
+
+@pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
+def test_every_page_names_the_imports_its_stub_lacks(exercise_id: str) -> None:
+    from chapters.exercise_stubs import extra_imports
+
+    exercise = EXERCISES[exercise_id]
+    page = (REPO_ROOT / exercise.docs_page).read_text(encoding="utf-8")
+    # "from m import n" is told when the page names both n and m (one line may import several).
+    missing = [line for line in extra_imports(exercise)
+               if not all(part in page for part in line.removeprefix("from ").split(" import "))]
+    assert not missing, f"{exercise.docs_page} should tell the student to add: {missing}"
