@@ -104,6 +104,11 @@ def get_kv_cache_config(
     return KVCacheConfig(num_blocks, layout.attention_spec, layout.kv_cache_groups)
 
 
+def token_capacity(kv_cache_config: KVCacheConfig) -> int:
+    """Tokens of KV the cache can hold: every block but the null block, full."""
+    return (kv_cache_config.num_blocks - 1) * kv_cache_config.block_size
+
+
 def max_concurrency(kv_cache_config: KVCacheConfig, max_model_len: int) -> float:
     """How many requests of ``max_model_len`` tokens fit at once (chapter 2's bound)."""
     per_request = kv_cache_config.num_blocks_for(max_model_len)

@@ -22,7 +22,7 @@ from typing import Any
 
 from nanoengine.config import EngineConfig
 from nanoengine.core.kv_cache_groups import group_kv_cache_layers
-from nanoengine.core.kv_cache_sizing import get_kv_cache_config, max_concurrency
+from nanoengine.core.kv_cache_sizing import get_kv_cache_config, max_concurrency, token_capacity
 from nanoengine.core.kv_cache_utils import get_request_block_hasher
 from nanoengine.core.sched.async_scheduler import AsyncScheduler
 from nanoengine.core.sched.output import SchedulerOutput
@@ -140,7 +140,7 @@ class EngineCore:
         max_model_len = self.engine_config.model_config.max_model_len
         logger.info(
             "KV cache size: %d tokens (%d blocks of %d). Maximum concurrency for %d tokens per request: %.2fx",
-            (kv_cache_config.num_blocks - 1) * kv_cache_config.block_size,
+            token_capacity(kv_cache_config),
             kv_cache_config.num_blocks,
             kv_cache_config.block_size,
             max_model_len,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from nanoengine.core.kv_cache_sizing import max_concurrency
+from nanoengine.core.kv_cache_sizing import max_concurrency, token_capacity
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.utils.mem_utils import format_bytes
 from nanoengine.worker.worker import MemoryProfile
@@ -45,8 +45,7 @@ class MemoryReport:
 
     @property
     def token_capacity(self) -> int:
-        # Block 0 is the block pool's null block and never holds tokens.
-        return (self.num_blocks - 1) * self.kv_cache_config.block_size
+        return token_capacity(self.kv_cache_config)
 
     @property
     def max_concurrency(self) -> float:
