@@ -7,7 +7,9 @@ that kill its engine core start servers of their own. Every server binds
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import threading
 import time
@@ -105,6 +107,14 @@ def test_api_key_is_required(server: str, tiny_llama: str) -> None:
         ({"messages": [{"role": "user", "content": "x"}], "top_p": 7}, "top_p"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x" * 5000}]}, "max_model_len"),
+        # Issue 26: what the server does not do is refused by name, never ignored.
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, "continue_final_message"),
+        ({"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a"]}, "guided_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+         "json_schema.schema"),
     ],
 )
 def test_bad_chat_requests_get_a_400_naming_the_field(server: str, body: dict[str, object], param_or_words: str) -> None:
@@ -252,3 +262,24 @@ def test_logprobs_in_both_apis_match_the_offline_engine(client: openai.OpenAI, t
     content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 3
     assert all(entry.logprob <= 0.0 and len(entry.top_logprobs) >= 2 for entry in content)
+
+
+def test_structured_output_takes_the_engine_grammar_path(client: openai.OpenAI, tiny_llama: str) -> None:
+    """Issue 26: vLLM's structured_outputs and OpenAI's response_format constrain the text."""
+    choice = client.completions.create(model=tiny_llama, prompt="Yes or no?", max_tokens=8, temperature=0.0,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no"), choice.choices[0].text
+    digits = client.completions.create(model=tiny_llama, prompt="A number:", max_tokens=8, temperature=0.0,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert re.fullmatch(r"[0-9]{3}", digits.choices[0].text), digits.choices[0].text
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model=tiny_llama, messages=[{"role": "user", "content": "Answer in JSON."}], max_tokens=32,
+        temperature=0.0, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    content = chat.choices[0].message.content or ""
+    if chat.choices[0].finish_reason == "stop":  # a length cut may leave the object open
+        assert isinstance(json.loads(content)["ok"], bool), content
+    else:
+        assert re.match(r'\s*\{\s*"ok"', content), content

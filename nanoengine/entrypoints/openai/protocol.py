@@ -11,6 +11,12 @@ the offline API and the server refuse exactly the same inputs.
 Besides OpenAI's fields, vLLM's extras are accepted with vLLM's names
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``skip_special_tokens``, ``include_stop_str_in_output``, ``priority``).
+Structured output comes in either of vLLM's two spellings, OpenAI's
+``response_format`` (``json_object``, ``json_schema``) or vLLM's
+``structured_outputs`` (``choice``, ``regex``, ``json``), and takes the same
+xgrammar path as offline (``StructuredOutputsParams``). A field the server
+does not implement (``tools``, ``tool_choice``, ``continue_final_message``,
+the older ``guided_*``) is refused with a 400 that names it, never ignored.
 
 vLLM 0.32 counterpart: ``vllm/entrypoints/openai/completion/protocol.py``
 (``CompletionRequest`` and its response and stream-chunk models),
@@ -26,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from nanoengine.sampling_params import SamplingParams
+from nanoengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # The most top logprobs one position may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
@@ -56,6 +62,37 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class StructuredOutputsIn(OpenAIModel):
+    """vLLM's ``structured_outputs`` field: exactly one of ``choice``, ``regex``, ``json``."""
+
+    choice: list[str] | None = None
+    regex: str | None = None
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+
+
+class JsonSchemaFormat(OpenAIModel):
+    """``response_format.json_schema``: a named JSON schema."""
+
+    name: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# Fields a client may send that this server does not implement: refused by name.
+# (A value of None, or "none" for tool_choice, asks for nothing and passes.)
+UNSUPPORTED_FIELDS = (
+    "tools", "tool_choice", "functions", "function_call", "continue_final_message",
+    "guided_choice", "guided_regex", "guided_json", "guided_grammar",
+)
+
+
 class SamplingFields(OpenAIModel):
     """The fields both request kinds share, mapped one to one onto ``SamplingParams``."""
 
@@ -82,8 +119,45 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = None
+    # Not implemented here; declared so that asking for them is refused, not ignored.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    continue_final_message: bool | None = None
+    guided_choice: Any = None
+    guided_regex: Any = None
+    guided_json: Any = None
+    guided_grammar: Any = None
+
+    def _refuse_unsupported(self) -> None:
+        asked = [name for name in UNSUPPORTED_FIELDS
+                 if getattr(self, name) not in (None, False, [], "none")]
+        if asked:
+            raise ValueError(f"{', '.join(asked)}: not supported by this server (nanoengine serve); "
+                             "leave them out. Structured output: response_format or structured_outputs.")
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """``structured_outputs`` or ``response_format`` as the engine's grammar request."""
+        wanted = self.response_format is not None and self.response_format.type != "text"
+        if self.structured_outputs is not None:
+            if wanted:
+                raise ValueError("structured_outputs and response_format both ask for a format: give one.")
+            given = self.structured_outputs
+            return StructuredOutputsParams(choice=given.choice, regex=given.regex, json=given.json_schema)
+        if self.response_format is None or not wanted:
+            return None
+        if self.response_format.type == "json_object":
+            return StructuredOutputsParams(json={"type": "object"})
+        schema = self.response_format.json_schema
+        if schema is None or schema.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema.")
+        return StructuredOutputsParams(json=schema.json_schema)
 
     def _sampling_kwargs(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+        self._refuse_unsupported()
         kwargs: dict[str, Any] = {
             "n": self.n,
             "max_tokens": max_tokens if max_tokens is not None else 16,
@@ -97,6 +171,7 @@ class SamplingFields(OpenAIModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "stop_token_ids": self.stop_token_ids,
             "logprobs": logprobs,
+            "structured_outputs": self._structured_outputs(),
         }
         # Unset means "the default", exactly as SamplingParams defines it.
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
@@ -164,6 +239,8 @@ class ChatCompletionRequest(SamplingFields):
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return SamplingParams(**self._sampling_kwargs(max_tokens, logprobs))
 
