@@ -141,17 +141,19 @@ class SamplingFields(OpenAIModel):
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """``structured_outputs`` or ``response_format`` as the engine's grammar request."""
-        wanted = self.response_format is not None and self.response_format.type != "text"
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "text":
+            fmt = None  # plain text asks for no grammar
         if self.structured_outputs is not None:
-            if wanted:
+            if fmt is not None:
                 raise ValueError("structured_outputs and response_format both ask for a format: give one.")
             given = self.structured_outputs
             return StructuredOutputsParams(choice=given.choice, regex=given.regex, json=given.json_schema)
-        if self.response_format is None or not wanted:
+        if fmt is None:
             return None
-        if self.response_format.type == "json_object":
+        if fmt.type == "json_object":
             return StructuredOutputsParams(json={"type": "object"})
-        schema = self.response_format.json_schema
+        schema = fmt.json_schema
         if schema is None or schema.json_schema is None:
             raise ValueError("response_format of type json_schema needs json_schema.schema.")
         return StructuredOutputsParams(json=schema.json_schema)
