@@ -169,7 +169,8 @@ def hang_up_mid_stream(url: str, model: str, engine: AsyncLLM) -> tuple[str | No
     status = None
     while time.monotonic() < deadline and status is None:
         finished = dict(engine.client.call_utility("recently_finished"))
-        status = finished.get(chunk_id)
+        # A completion's engine request is named "<response id>-<prompt index>", as in vLLM.
+        status = finished.get(f"{chunk_id}-0")
         time.sleep(0.05)
     stats = engine.client.call_utility("get_stats")
     return status, stats["num_free_blocks"] == stats["num_usable_blocks"]

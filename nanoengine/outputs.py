@@ -49,7 +49,9 @@ class RequestMetrics:
     """Wall-clock timestamps (``time.monotonic``) of a request's life.
 
     The engine core reports QUEUED / SCHEDULED / PREEMPTED events (chapter 5's
-    event log); the output processor adds token times. vLLM 0.32 counterpart:
+    event log); the output processor adds token times. It keeps one per user
+    request (``RequestOutput.metrics``) and one per sample, from which a
+    server's ``/metrics`` measures each sample alone. vLLM 0.32 counterpart:
     ``RequestStateStats`` in ``vllm/v1/metrics/stats.py``.
     """
 

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanoengine.exceptions import ValidationError
+
 # Sampling with a temperature this close to zero is treated as greedy: dividing
 # logits by ~0 would overflow, and argmax is what the user means anyway.
 _GREEDY_EPS = 1e-5
@@ -60,11 +62,13 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [name for name in ("choice", "regex", "json") if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError(f"StructuredOutputsParams needs exactly one of choice, regex, json; got {given}.")
+            raise ValidationError(f"StructuredOutputsParams needs exactly one of choice, regex, json; got {given}.",
+                                  parameter="structured_outputs")
         if self.choice is not None and (
             not self.choice or any(not isinstance(c, str) or not c for c in self.choice)
         ):
-            raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}.")
+            raise ValidationError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}.",
+                                  parameter="structured_outputs")
 
     def json_schema_text(self) -> str:
         """The schema as the JSON text a grammar compiler reads."""
@@ -159,14 +163,18 @@ class SamplingParams:
         """Reject values no sampler could honour; each message names value and limit."""
         _check_int("n", self.n)
         if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
+            raise ValidationError(f"n must be at least 1, got {self.n}.", parameter="n")
         if _check_finite("temperature", self.temperature) < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+            raise ValidationError(f"temperature must be non-negative, got {self.temperature}.", parameter="temperature")
+        if self.n > 1 and self.temperature < _GREEDY_EPS:
+            # n greedy samples would be n copies of one answer: almost surely a mistake.
+            raise ValidationError(f"n must be 1 when using greedy sampling (temperature=0), got {self.n}.",
+                                  parameter="n")
         if not 0.0 < _check_finite("top_p", self.top_p) <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise ValidationError(f"top_p must be in (0, 1], got {self.top_p}.", parameter="top_p")
         _check_int("top_k", self.top_k)
         if self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+            raise ValidationError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.", parameter="top_k")
         self._verify_penalties()
         for name in ("logprobs", "prompt_logprobs"):
             _check_logprobs_count(name, getattr(self, name))
@@ -175,19 +183,20 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+                raise ValidationError(f"max_tokens must be at least 1, got {self.max_tokens}.", parameter="max_tokens")
         _check_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}.")
+            raise ValidationError(f"min_tokens must be non-negative, got {self.min_tokens}.", parameter="min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}."
+            raise ValidationError(
+                f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}.",
+                parameter="min_tokens",
             )
         if self.seed is not None:
             _check_int("seed", self.seed)
         assert isinstance(self.stop, list) and isinstance(self.stop_token_ids, list)
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}.")
+            raise ValidationError(f"stop must hold non-empty strings, got {self.stop!r}.", parameter="stop")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids entry", token_id)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -205,14 +214,17 @@ class SamplingParams:
     def _verify_penalties(self) -> None:
         """min_p, the three penalties and logit_bias, each against its range."""
         if not 0.0 <= _check_finite("min_p", self.min_p) <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+            raise ValidationError(f"min_p must be in [0, 1], got {self.min_p}.", parameter="min_p")
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_finite(name, getattr(self, name))
             if abs(value) > MAX_ABS_PENALTY:
                 limit = f"{MAX_ABS_PENALTY:g}"
-                raise ValueError(f"{name} must be in [-{limit}, {limit}], got {getattr(self, name)}.")
+                raise ValidationError(f"{name} must be in [-{limit}, {limit}], got {getattr(self, name)}.", parameter=name)
         if _check_finite("repetition_penalty", self.repetition_penalty) <= 0.0:
-            raise ValueError(f"repetition_penalty must be greater than 0, got {self.repetition_penalty}.")
+            raise ValidationError(
+                f"repetition_penalty must be greater than 0, got {self.repetition_penalty}.",
+                parameter="repetition_penalty",
+            )
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias)
 
@@ -241,7 +253,7 @@ def _check_finite(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}.")
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value}.")
+        raise ValidationError(f"{name} must be a finite number, got {value}.", parameter=name)
     return float(value)
 
 
@@ -250,7 +262,7 @@ def _check_logprobs_count(name: str, value: int | None) -> None:
         return
     _check_int(name, value)
     if not 0 <= value <= MAX_LOGPROBS:
-        raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
+        raise ValidationError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.", parameter=name)
 
 
 def _checked_logit_bias(logit_bias: object) -> dict[int, float]:
@@ -267,6 +279,7 @@ def _checked_logit_bias(logit_bias: object) -> dict[int, float]:
         value = _check_finite(f"logit_bias[{token_id}]", bias)
         if abs(value) > MAX_ABS_LOGIT_BIAS:
             limit = f"{MAX_ABS_LOGIT_BIAS:g}"
-            raise ValueError(f"logit_bias[{token_id}] must be in [-{limit}, {limit}], got {bias}.")
+            raise ValidationError(f"logit_bias[{token_id}] must be in [-{limit}, {limit}], got {bias}.",
+                                  parameter="logit_bias")
         checked[token_id] = value
     return checked

@@ -57,12 +57,17 @@ def wait_until(condition: object, seconds: float, interval: float = 0.05) -> boo
 
 
 @contextmanager
-def running_server(model: str, *flags: str, api_key: str | None = API_KEY) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def running_server(model: str, *flags: str, api_key: str | None = API_KEY,
+                   log: Path | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``log``: a file that receives the server's output (its access lines and warnings)."""
     port = free_port()
     args = [NANOENGINE, "serve", model, "--host", "127.0.0.1", "--port", str(port), *flags]
     if api_key is not None:
         args += ["--api-key", api_key]
-    server = subprocess.Popen(args)
+    sink = None if log is None else log.open("wb")
+    server = subprocess.Popen(args, stdout=sink, stderr=None if sink is None else subprocess.STDOUT)
+    if sink is not None:
+        sink.close()  # the server holds its own copy of the file
     base_url = f"http://127.0.0.1:{port}"
     cores: list[int] = []
     try:

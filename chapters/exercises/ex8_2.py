@@ -18,7 +18,7 @@ async def _run_output_handler(self: AsyncLLM) -> None:
     The one task that feeds every request's generator. Stop strings are
     found only here, on the text, so their requests are aborted in the core
     too; a finished output also goes to every ``finished_listeners`` entry
-    (a server's metrics), queue or no queue. Any exception (a dead core's
+    (a caller's hooks), queue or no queue. Any exception (a dead core's
     ``EngineDeadError`` above all) is kept in ``dead_error`` and put into
     every queue, so no generator waits forever; ``shutdown`` cancelling the
     task ends it quietly.

@@ -50,7 +50,8 @@ class AsyncLLM(LLMEngine):
         self.collectors: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.output_handler: asyncio.Task[None] | None = None
         self.dead_error: BaseException | None = None
-        # Called with every finished RequestOutput (a server's metrics, chapter 8).
+        # Called with every finished RequestOutput: a caller's own hooks (chapter 8's
+        # walkthrough). A server's /metrics counts from output_processor.stat_loggers.
         self.finished_listeners: list[Callable[[RequestOutput], None]] = []
 
     @classmethod
@@ -133,7 +134,7 @@ class AsyncLLM(LLMEngine):
         The one task that feeds every request's generator. Stop strings are
         found only here, on the text, so their requests are aborted in the core
         too; a finished output also goes to every ``finished_listeners`` entry
-        (a server's metrics), queue or no queue. Any exception (a dead core's
+        (a caller's hooks), queue or no queue. Any exception (a dead core's
         ``EngineDeadError`` above all) is kept in ``dead_error`` and put into
         every queue, so no generator waits forever; ``shutdown`` cancelling the
         task ends it quietly.

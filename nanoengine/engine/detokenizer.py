@@ -39,14 +39,18 @@ class IncrementalDetokenizer:
         self.stop_buffer_length = max(map(len, self.stop_strings)) - 1 if cut_at_stop else 0
         self._num_chars_sent = 0  # how much text DELTA outputs have carried so far
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Add tokens; return the stop string that ended the text, if one did.
 
         On a match the text is cut at the stop string (kept or dropped according
-        to ``include_stop_str_in_output``).
+        to ``include_stop_str_in_output``). ``stop_terminated``: the engine core
+        stopped on the last token (EOS or a ``stop_token_ids`` entry); like a stop
+        string, its text joins the output only with ``include_stop_str_in_output``.
         """
         if self._backend is None:
             return None
+        if stop_terminated and not self.params.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
         for token_id in new_token_ids:
             before = len(self.output_text)
             piece = self._stream.step(self._backend, token_id)

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from nanoengine.config import ModelConfig
 from nanoengine.engine import EngineCoreRequest
+from nanoengine.exceptions import ValidationError
 from nanoengine.renderers.hf import RenderedPrompt
 from nanoengine.sampling_params import SamplingParams
 
@@ -94,8 +95,9 @@ class InputProcessor:
         if not prompt_ids:
             raise ValueError("The prompt is empty (0 tokens); at least 1 token is needed.")
         if len(prompt_ids) > max_len:
-            raise ValueError(
-                f"The prompt is {len(prompt_ids)} tokens long, longer than max_model_len={max_len}."
+            raise ValidationError(
+                f"The prompt is {len(prompt_ids)} tokens long, longer than max_model_len={max_len}.",
+                parameter="input_tokens",
             )
         self.validate_token_ids(prompt_ids)
 

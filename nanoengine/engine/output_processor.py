@@ -7,7 +7,9 @@ Chapter 8 adds logprobs (engine/logprobs.py) and the three output kinds of
 ``SamplingParams.output_kind``: CUMULATIVE (every output holds all samples and
 everything so far), DELTA (only the samples that moved this step, each with
 only its new tokens and text: a server streams these) and FINAL_ONLY (one
-output, when every sample is done; ``LLM.generate`` asks for this).
+output, when every sample is done; ``LLM.generate`` asks for this). For a
+server's ``/metrics`` it also fills one ``IterationStats`` per batch
+(nanoengine/metrics/stats.py) and hands it to ``stat_loggers``.
 vLLM 0.32 counterpart: ``vllm/v1/engine/output_processor.py`` (``OutputProcessor``,
 ``RequestState``) and ``vllm/v1/engine/parallel_sampling.py`` (``ParentRequest``).
 """
@@ -15,6 +17,7 @@ vLLM 0.32 counterpart: ``vllm/v1/engine/output_processor.py`` (``OutputProcessor
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +25,7 @@ from nanoengine.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from nanoengine.engine.detokenizer import IncrementalDetokenizer
 from nanoengine.engine.logprobs import LogprobsProcessor
 from nanoengine.logprobs import PromptLogprobs
+from nanoengine.metrics.stats import IterationStats
 from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind
 
@@ -35,6 +39,10 @@ class RequestState:
     index: int  # which of the parent's n samples this is
     detokenizer: IncrementalDetokenizer
     logprobs_processor: LogprobsProcessor
+    # This sample's own timeline and token count, for the metrics: the
+    # parent's RequestMetrics mixes its n samples' tokens into one.
+    stats: RequestMetrics
+    max_tokens: int | None  # the max_tokens parameter, a histogram of /metrics
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -131,6 +139,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        # Called with every batch's IterationStats (a server's metrics, chapter 8).
+        # None listening, none are made: an offline run pays nothing.
+        self.stat_loggers: list[Callable[[IterationStats], None]] = []
 
     def add_request(self, parent: ParentRequest, request: EngineCoreRequest, index: int) -> None:
         """Register one sample of ``parent`` (call once per child, in index order)."""
@@ -140,6 +151,8 @@ class OutputProcessor:
             index=index,
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.sampling_params),
             logprobs_processor=LogprobsProcessor(self.tokenizer, request.sampling_params),
+            stats=RequestMetrics(arrival_time=request.arrival_time),
+            max_tokens=request.sampling_params.max_tokens,
             output_kind=request.sampling_params.output_kind,
         )
         parent.children.append(state)
@@ -158,11 +171,19 @@ class OutputProcessor:
         moved: dict[str, list[RequestState]] = {}  # parent id -> its samples with news
         reqs_to_abort: list[str] = []
         now = time.monotonic()
+        stats = IterationStats(now) if self.stat_loggers and outputs else None
         for output in outputs:
             state = self.request_states.get(output.request_id)
             if state is None:  # aborted by the user while the step ran
                 continue
+            if state.finish_reason is not None:
+                # A sample of an n > 1 request that hit a stop string: the core
+                # ran on until our abort reached it. Those tokens are not kept.
+                continue
             parent = state.parent
+            if stats is not None:  # counted per batch, so aborted requests' work counts too
+                stats.update_from_output(output, state.stats, len(parent.prompt_token_ids))
+            state.stats.record_engine_output(output.events, len(output.new_token_ids), now)
             parent.metrics.record_engine_output(output.events, len(output.new_token_ids), now)
             parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
             parent.num_external_computed_tokens = max(
@@ -172,7 +193,8 @@ class OutputProcessor:
             state.logprobs_processor.update_from_output(output.new_logprobs, output.new_prompt_logprobs)
             if parent.prompt_logprobs is None:
                 parent.prompt_logprobs = state.logprobs_processor.prompt_logprobs
-            stop_string = state.detokenizer.update(output.new_token_ids)
+            # A stop token (EOS or stop_token_ids) ends the text without showing in it.
+            stop_string = state.detokenizer.update(output.new_token_ids, output.finish_reason == FinishReason.STOP)
             if stop_string is not None and output.finish_reason is None:
                 # The text matched a stop string the engine core cannot see.
                 state.finish_reason, state.stop_reason = FinishReason.STOP, stop_string
@@ -180,6 +202,11 @@ class OutputProcessor:
             elif output.finish_reason is not None:
                 state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
                 parent.finish_message = parent.finish_message or output.finish_message
+            if stats is not None and state.finish_reason is not None:
+                stats.update_from_finished_request(
+                    state.finish_reason, state.stats, len(parent.prompt_token_ids), output.num_cached_tokens,
+                    state.max_tokens,
+                )
             touched[parent.request_id] = parent
             moved.setdefault(parent.request_id, []).append(state)
         request_outputs: list[RequestOutput] = []
@@ -187,13 +214,24 @@ class OutputProcessor:
             if parent.finished:
                 parent.metrics.record_finished(now)
                 self._forget(parent)
+                if stats is not None:
+                    stats.update_from_finished_parent(
+                        len(parent.children), [child.stats.num_generation_tokens for child in parent.children]
+                    )
             request_output = parent.make_output(moved[parent.request_id])
             if request_output is not None:
                 request_outputs.append(request_output)
+        if stats is not None:
+            for stat_logger in self.stat_loggers:
+                stat_logger(stats)
         return OutputProcessorOutput(request_outputs, reqs_to_abort)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forget user requests (parent ids); return their engine-core ids."""
+        """Forget user requests (parent ids); return their engine-core ids.
+
+        No stats are made here, as in vLLM: an aborted request's tokens were
+        counted batch by batch as they came, and it never counts as finished.
+        """
         core_ids: list[str] = []
         for request_id in request_ids:
             parent = self.parents.get(request_id)

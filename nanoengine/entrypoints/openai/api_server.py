@@ -8,13 +8,18 @@ output handler of ``AsyncLLM``); the engine core runs in its own process
 * ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (JSON, or
   server-sent events with ``"stream": true``);
 * ``/tokenize``, ``/detokenize``, ``/health`` (503 once the core is gone),
-  ``/metrics`` (Prometheus text, vLLM's metric names, see metrics.py).
+  ``/version``, ``/metrics`` (Prometheus text, vLLM's metric names, see metrics.py).
 
 Bad input never reaches the engine: every error is OpenAI's JSON body
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status -- 400
 for a malformed or out-of-range request, 401 without the API key, 404 for an
-unknown model -- and the server goes on serving. A client that disconnects,
-streaming or not, has its request aborted in the core at once.
+unknown model -- and the server goes on serving. When the mistake is one
+field's value, ``param`` names the field, as vLLM's does. A client that
+disconnects, streaming or not, has its request aborted in the core at once.
+
+At ``--uvicorn-log-level info`` (the default, as in vLLM) uvicorn logs one
+access line per request; a request carrying fields the server does not know
+is served, and the fields are named in a warning.
 
     nanoengine serve SmolLM2-135M-Instruct --port 8000 [--api-key KEY] [engine arguments]
     python -m nanoengine.entrypoints.openai.api_server SmolLM2-135M-Instruct ...
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -41,6 +47,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from nanoengine import __version__
 from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.engine.async_llm import AsyncLLM
 from nanoengine.engine.exceptions import EngineDeadError
@@ -51,17 +58,17 @@ from nanoengine.entrypoints.openai.protocol import (
     DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
+    ModelCard,
+    ModelPermission,
+    RequestModel,
     TokenizeRequest,
     conversation,
 )
-from nanoengine.entrypoints.openai.serving import OpenAIServing
+from nanoengine.entrypoints.openai.serving import NEEDS_TOKENIZER
+from nanoengine.entrypoints.openai.serving_chat import OpenAIServingChat
+from nanoengine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
-# Every route speaks text (prompts, chat messages, /tokenize), so a server
-# refuses an engine built with skip_tokenizer_init (chapter 6).
-_NEEDS_TOKENIZER = (
-    "nanoengine serve needs a tokenizer: skip_tokenizer_init works offline only "
-    "(LLM(..., skip_tokenizer_init=True) with token-id prompts)."
-)
+logger = logging.getLogger("nanoengine.serve")
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -76,12 +83,12 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 
 def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI application: routes, error handlers, the API-key check, metrics."""
-    tokenizer = engine.tokenizer
-    if tokenizer is None:
-        raise ValueError(_NEEDS_TOKENIZER)
-    serving = OpenAIServing(engine, served_model_name)
-    metrics = ServerMetrics(served_model_name)
-    engine.finished_listeners.append(metrics.record_finished)
+    completion_serving = OpenAIServingCompletion(engine, served_model_name)  # refuses an engine without tokenizer
+    chat_serving = OpenAIServingChat(engine, served_model_name)
+    tokenizer = completion_serving.tokenizer
+    model_config = engine.engine_config.model_config
+    metrics = ServerMetrics(served_model_name, engine.engine_config.model_config.max_model_len)
+    engine.output_processor.stat_loggers.append(metrics.record_iteration)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -100,12 +107,16 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
 
     @app.middleware("http")
     async def require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error_response(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
+        guarded = api_key is not None and request.url.path.startswith("/v1")
+        if guarded and request.headers.get("authorization") != f"Bearer {api_key}":
+            return error_response(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
         return await call_next(request)
 
-    def check_model(model: str | None) -> JSONResponse | None:
+    def check_model(body: RequestModel) -> JSONResponse | None:
+        """An unknown model is a 404; unknown fields are served, and named in a warning."""
+        if ignored := body.ignored_fields():
+            logger.warning("The request carried fields this server ignores: %s", ", ".join(ignored))
+        model = getattr(body, "model", None)
         if model is not None and model != served_model_name:
             return error_response(404, f"The model {model!r} does not exist; this server serves "
                                        f"{served_model_name!r}.", "model")
@@ -115,46 +126,58 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     async def health() -> Response:
         return Response(status_code=503 if engine.errored else 200)
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "owned_by": "nanoengine",
-                                            "max_model_len": engine.engine_config.model_config.max_model_len}]}
+        card = ModelCard(id=served_model_name, root=model_config.model, max_model_len=model_config.max_model_len,
+                         permission=[ModelPermission()])
+        return {"object": "list", "data": [card.model_dump()]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        if (refused := check_model(body.model)) is not None:
+        if (refused := check_model(body)) is not None:
             return refused
         try:
-            params, prompts = serving.prepare_completion(body)
+            params, prompts = completion_serving.render_completion_request(body)
         except (ValueError, TypeError) as error:
-            return error_response(400, str(error))
-        return await _respond(request, serving.create_completion(body, params, prompts))
+            return client_error(error)
+        return await _respond(request, completion_serving.create_completion(body, params, prompts))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        if (refused := check_model(body.model)) is not None:
+        if (refused := check_model(body)) is not None:
             return refused
         try:
-            params, prompt = serving.prepare_chat(body)
+            params, prompt = chat_serving.render_chat_request(body)
         except (ValueError, TypeError) as error:
-            return error_response(400, str(error))
-        return await _respond(request, serving.create_chat_completion(body, params, prompt))
+            return client_error(error)
+        return await _respond(request, chat_serving.create_chat_completion(body, params, prompt))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
+        if (refused := check_model(body)) is not None:
+            return refused
         try:
             if body.messages is not None:
-                tokens = engine.renderer.render_chat(conversation(body.messages))["prompt_token_ids"]
+                rendered = engine.renderer.render_chat(conversation(body.messages),
+                                                       add_generation_prompt=body.add_generation_prompt)
+                tokens = rendered["prompt_token_ids"]
             else:
                 tokens = list(tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens))
         except (ValueError, TypeError) as error:
-            return error_response(400, str(error))
-        return JSONResponse({"tokens": tokens, "count": len(tokens),
-                             "max_model_len": engine.engine_config.model_config.max_model_len})
+            return client_error(error)
+        strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return JSONResponse({"count": len(tokens), "max_model_len": model_config.max_model_len, "tokens": tokens,
+                             "token_strs": strs})
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
-        vocab_size = engine.engine_config.model_config.vocab_size
+        if (refused := check_model(body)) is not None:
+            return refused
+        vocab_size = model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:
             return error_response(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab_size}).", "tokens")
@@ -169,6 +192,11 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     return app
 
 
+def client_error(error: ValueError | TypeError) -> JSONResponse:
+    """A 400; a ``ValidationError`` knows which field was wrong."""
+    return error_response(400, str(error), getattr(error, "parameter", None))
+
+
 async def _respond(request: Request, work: Awaitable[Any]) -> Response:
     """Run a generation; a disconnect aborts it, the client's mistakes become 400s."""
     try:
@@ -176,11 +204,11 @@ async def _respond(request: Request, work: Awaitable[Any]) -> Response:
     except EngineDeadError as error:
         return error_response(503, str(error))
     except (ValueError, TypeError) as error:
-        return error_response(400, str(error))
+        return client_error(error)
     if result is None:  # the client left: nobody to answer
         return Response(status_code=499)
     if isinstance(result, BaseModel):
-        return JSONResponse(result.model_dump(exclude_none=True))
+        return JSONResponse(result.model_dump())
     return StreamingResponse(result, media_type="text/event-stream")
 
 
@@ -214,7 +242,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get("NANOENGINE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes (or NANOENGINE_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug", "trace"),
+                        help="uvicorn's log level; at info it logs one access line per request")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access line per request")
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -224,11 +255,12 @@ def run_server(args: argparse.Namespace) -> None:
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.skip_tokenizer_init:
         # Refused before the engine core process is started for nothing.
-        raise ValueError(_NEEDS_TOKENIZER)
+        raise ValueError(NEEDS_TOKENIZER)
     engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(engine, args.served_model_name or args.model, args.api_key)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                    access_log=not args.disable_uvicorn_access_log)
     finally:
         engine.shutdown()
 

@@ -16,7 +16,13 @@ Structured output comes in either of vLLM's two spellings, OpenAI's
 ``structured_outputs`` (``choice``, ``regex``, ``json``), and takes the same
 xgrammar path as offline (``StructuredOutputsParams``). A field the server
 does not implement (``tools``, ``tool_choice``, ``continue_final_message``,
-the older ``guided_*``) is refused with a 400 that names it, never ignored.
+the older ``guided_*``) is refused with a 400 that names it, never ignored;
+a field nobody declared is kept aside and named in a warning in the log.
+
+Responses carry every field vLLM's carry, ``null`` where there is nothing to
+say (``"logprobs": null``, ``"stop_reason": null``), so a client reading the raw
+JSON finds the keys it expects. Stream chunks hold only the fields their maker
+set (pydantic's ``exclude_unset``), which is how vLLM builds its chunks too.
 
 vLLM 0.32 counterpart: ``vllm/entrypoints/openai/completion/protocol.py``
 (``CompletionRequest`` and its response and stream-chunk models),
@@ -28,21 +34,35 @@ vLLM 0.32 counterpart: ``vllm/entrypoints/openai/completion/protocol.py``
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from nanoengine.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoengine.exceptions import ValidationError
+from nanoengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # The most top logprobs one position may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
+# Seeds travel as C int64 in vLLM; the same range here.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 class OpenAIModel(BaseModel):
     """Bodies refuse NaN and infinity: JSON has no such numbers, Python's parser accepts them anyway."""
 
-    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class RequestModel(OpenAIModel):
+    """A request body. Unknown fields are kept (``extra="allow"``) only so the
+    server can name them in its warning; nothing reads their values."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
 
 
 class ErrorInfo(OpenAIModel):
@@ -89,26 +109,25 @@ class ResponseFormat(OpenAIModel):
 # (A value of None, or "none" for tool_choice, asks for nothing and passes.)
 UNSUPPORTED_FIELDS = (
     "tools", "tool_choice", "functions", "function_call", "continue_final_message",
-    "guided_choice", "guided_regex", "guided_json", "guided_grammar",
+    "guided_choice", "guided_regex", "guided_json", "guided_grammar", "use_beam_search", "suffix",
 )
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestModel):
     """The fields both request kinds share, mapped one to one onto ``SamplingParams``."""
 
     model: str | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    echo: bool = False
     # vLLM's extras.
     top_k: int | None = None
     min_p: float | None = None
@@ -119,6 +138,8 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    return_token_ids: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsIn | None = None
     # Not implemented here; declared so that asking for them is refused, not ignored.
@@ -131,13 +152,23 @@ class SamplingFields(OpenAIModel):
     guided_regex: Any = None
     guided_json: Any = None
     guided_grammar: Any = None
+    use_beam_search: bool | None = None
+    suffix: str | None = None
 
     def _refuse_unsupported(self) -> None:
         asked = [name for name in UNSUPPORTED_FIELDS
                  if getattr(self, name) not in (None, False, [], "none")]
         if asked:
-            raise ValueError(f"{', '.join(asked)}: not supported by this server (nanoengine serve); "
-                             "leave them out. Structured output: response_format or structured_outputs.")
+            raise ValidationError(f"{', '.join(asked)}: not supported by this server (nanoengine serve); "
+                                  "leave them out. Structured output: response_format or structured_outputs.",
+                                  parameter=asked[0])
+
+    def _refuse_stream_only_mistakes(self) -> None:
+        """Two combinations vLLM refuses before anything runs, with the same parameter names."""
+        if self.stream_options is not None and not self.stream:
+            raise ValidationError("stream_options can only be given with stream=true.", parameter="stream_options")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValidationError("prompt_logprobs are not available when stream=true.", parameter="prompt_logprobs")
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """``structured_outputs`` or ``response_format`` as the engine's grammar request."""
@@ -146,7 +177,8 @@ class SamplingFields(OpenAIModel):
             fmt = None  # plain text asks for no grammar
         if self.structured_outputs is not None:
             if fmt is not None:
-                raise ValueError("structured_outputs and response_format both ask for a format: give one.")
+                raise ValidationError("structured_outputs and response_format both ask for a format: give one.",
+                                      parameter="structured_outputs")
             given = self.structured_outputs
             return StructuredOutputsParams(choice=given.choice, regex=given.regex, json=given.json_schema)
         if fmt is None:
@@ -155,14 +187,16 @@ class SamplingFields(OpenAIModel):
             return StructuredOutputsParams(json={"type": "object"})
         schema = fmt.json_schema
         if schema is None or schema.json_schema is None:
-            raise ValueError("response_format of type json_schema needs json_schema.schema.")
+            raise ValidationError("response_format of type json_schema needs json_schema.schema.",
+                                  parameter="response_format")
         return StructuredOutputsParams(json=schema.json_schema)
 
     def _sampling_kwargs(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         self._refuse_unsupported()
+        self._refuse_stream_only_mistakes()
         kwargs: dict[str, Any] = {
             "n": self.n,
-            "max_tokens": max_tokens if max_tokens is not None else 16,
+            "max_tokens": max_tokens,
             "stop": self.stop,
             "seed": self.seed,
             "presence_penalty": self.presence_penalty,
@@ -173,7 +207,10 @@ class SamplingFields(OpenAIModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "stop_token_ids": self.stop_token_ids,
             "logprobs": logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
             "structured_outputs": self._structured_outputs(),
+            # A stream sends what is new at each step; a whole answer needs only the end.
+            "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         }
         # Unset means "the default", exactly as SamplingParams defines it.
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
@@ -189,18 +226,30 @@ def _token_id(key: str) -> int:
     try:
         return int(key)
     except ValueError:
-        raise ValueError(f"logit_bias keys must be token ids, got {key!r}.") from None
+        raise ValidationError(f"logit_bias keys must be token ids, got {key!r}.", parameter="logit_bias") from None
 
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: a text prompt (or token ids) to continue."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    # OpenAI's default for completions; chat has none (the rest of the context).
+    max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
 
-    def to_sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self._sampling_kwargs(self.max_tokens, self.logprobs))
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        kwargs = self._sampling_kwargs(max_tokens, self.logprobs)
+        if self.echo and kwargs["prompt_logprobs"] is None:
+            # Echoed prompt tokens need logprobs of their own (the first has none).
+            kwargs["prompt_logprobs"] = self.logprobs
+        return SamplingParams(**kwargs)
 
 
 class ChatMessage(OpenAIModel):
@@ -221,7 +270,8 @@ class ChatMessage(OpenAIModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"only text content parts are supported, got {part.get('type')!r}.")
+                raise ValidationError(f"only text content parts are supported, got {part.get('type')!r}.",
+                                      parameter="messages")
             parts.append(part["text"])
         return "".join(parts)
 
@@ -235,14 +285,23 @@ class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: a conversation to answer."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def requested_max_tokens(self) -> int | None:
+        """OpenAI's newer name wins over the older one when both are given."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true.")
+            raise ValidationError(f"top_logprobs={self.top_logprobs} needs logprobs=true.", parameter="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return SamplingParams(**self._sampling_kwargs(max_tokens, logprobs))
 
@@ -250,18 +309,40 @@ class ChatCompletionRequest(SamplingFields):
         return conversation(self.messages)
 
 
+# ---- responses --------------------------------------------------------------------------------------
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
-    completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens: int = 0
+    # OpenAI's breakdowns (cached prompt tokens, reasoning tokens): not counted here.
+    prompt_tokens_details: dict[str, int] | None = None
+    completion_tokens_details: dict[str, int] | None = None
+
+
+class CompletionLogProbs(OpenAIModel):
+    """The legacy completions shape: four parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+# A prompt position's candidates as vLLM sends them: {token id: {logprob, rank, decoded_token}}.
+PromptLogprobsOut = list[dict[int, dict[str, Any]] | None]
 
 
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
-    logprobs: dict[str, Any] | None = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -270,20 +351,64 @@ class CompletionResponse(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
 
 
+class CompletionStreamChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionStreamResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatLogProb(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatLogProbs(OpenAIModel):
+    content: list[ChatLogProbsContent] | None = None
+
+
 class ChatMessageOut(OpenAIModel):
+    """An answer message. The four OpenAI fields after ``content`` belong to
+    features this server has no part of (refusals, citations, audio, function
+    calls); they are there, ``null``, because clients read them."""
+
     role: str = "assistant"
     content: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
 
 class ChatChoice(OpenAIModel):
     index: int
     message: ChatMessageOut
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -292,7 +417,11 @@ class ChatCompletionResponse(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsOut | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ChatDelta(OpenAIModel):
@@ -303,8 +432,10 @@ class ChatDelta(OpenAIModel):
 class ChatStreamChoice(OpenAIModel):
     index: int
     delta: ChatDelta
-    logprobs: dict[str, Any] | None = None
+    logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(OpenAIModel):
@@ -314,15 +445,50 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestModel):
+    """``POST /tokenize``: a prompt, or messages rendered through the chat template."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
+
+
+class ModelPermission(OpenAIModel):
+    """The permission card OpenAI's model objects once carried; vLLM still sends one."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: str = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
+class ModelCard(OpenAIModel):
+    """One entry of ``/v1/models``: the served name, where its weights came from, its context length."""
+
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "nanoengine"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=list)

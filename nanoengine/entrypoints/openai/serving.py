@@ -1,134 +1,99 @@
-"""OpenAIServing: from an OpenAI request body to AsyncLLM calls and back to JSON or SSE.
+"""OpenAIServing: what the completions and chat handlers share.
 
-Chapter 8 (online serving). One handler per endpoint, all shaped alike:
+Chapter 8 (online serving). Both handlers follow the same four steps:
 
 1. the request body (already parsed by FastAPI into a protocol model) becomes
    ``SamplingParams`` and rendered prompts -- any ``ValueError`` or
-   ``TypeError`` here is the client's mistake and becomes a 400;
+   ``TypeError`` here is the client's mistake and becomes a 400 (a
+   ``ValidationError`` also names the field);
 2. each prompt becomes one ``AsyncLLM.generate`` generator (``n`` samples ride
    in one request, as in vLLM);
-3. without ``stream``, the last output of every generator becomes one JSON
-   response; with it, every output becomes a server-sent event holding only
-   what is new since the previous one (the engine's outputs are cumulative),
-   then ``data: [DONE]``.
+3. without ``stream``, the engine sends each request's output once, when it
+   has finished (``FINAL_ONLY``), and that becomes one JSON response;
+4. with it, the engine sends only what is new at each step (``DELTA``), and
+   every piece becomes a server-sent event, then ``data: [DONE]``.
+
+This module holds what both need: the length rules, starting one request per
+prompt (all or none), reading several requests' outputs as they arrive, and
+the token counts for ``usage``. The two endpoints live in
+``serving_completion.py`` and ``serving_chat.py``.
 
 While a request streams, the detokenizer holds back text that might be the
 start of a stop string until it is clear that it is not, so a client never
 receives the first half of a stop string the engine then cuts away.
 
-vLLM 0.32 counterpart: ``vllm/entrypoints/openai/completion/serving.py`` and
-``vllm/entrypoints/openai/chat_completion/serving.py`` (``OpenAIServingCompletion``,
-``OpenAIServingChat``), with their shared base ``OpenAIServing``. The methods
-keep vLLM's names (``create_completion``, ``request_output_to_completion_response``,
-``create_chat_completion``, ``chat_completion_full_generator``); two things
-differ on purpose. One class serves both endpoints: they share everything but
-the response shapes. And one ``stream_generator`` stands for vLLM's
-``completion_stream_generator`` and ``chat_completion_stream_generator``: the
-two differ only in the chunk they build, which the caller passes in.
+vLLM 0.32 counterpart: ``OpenAIServing`` in ``vllm/entrypoints/serve/engine/serving.py``,
+the length rules of ``get_max_tokens`` (``vllm/entrypoints/serve/utils/api_utils.py``)
+and ``TokenizeParams`` (``vllm/renderers/params.py``), and ``merge_async_iterators``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from pydantic import BaseModel
 
 from nanoengine.engine.async_llm import AsyncLLM
-from nanoengine.entrypoints.openai.protocol import (
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatMessageOut,
-    ChatStreamChoice,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    UsageInfo,
-)
-from nanoengine.outputs import CompletionOutput, RequestOutput
+from nanoengine.entrypoints.openai.protocol import UsageInfo
+from nanoengine.exceptions import ValidationError
+from nanoengine.logprobs import Logprob, PromptLogprobs
+from nanoengine.outputs import RequestOutput
 from nanoengine.renderers.hf import RenderedPrompt
 from nanoengine.sampling_params import SamplingParams
 
+# JSON has no -inf; vLLM sends this floor for a token the model rules out entirely.
+LOGPROB_FLOOR = -9999.0
+# Every route speaks text (prompts, chat messages, /tokenize), so a server
+# refuses an engine built with skip_tokenizer_init (chapter 6).
+NEEDS_TOKENIZER = (
+    "nanoengine serve needs a tokenizer: skip_tokenizer_init works offline only "
+    "(LLM(..., skip_tokenizer_init=True) with token-id prompts)."
+)
+
 
 class OpenAIServing:
-    """Runs completions and chat completions on one ``AsyncLLM``."""
+    """Runs requests of one endpoint on one ``AsyncLLM``; subclassed per endpoint."""
 
     def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+        if engine.tokenizer is None:
+            raise ValueError(NEEDS_TOKENIZER)
         self.engine = engine
+        self.tokenizer: Any = engine.tokenizer
         self.served_model_name = served_model_name
+        self.max_model_len = engine.engine_config.model_config.max_model_len
 
-    # ---- /v1/completions ---------------------------------------------------------------
+    def check_max_tokens(self, requested: int | None, param: str) -> None:
+        """More output tokens than the whole context holds is always a mistake (a 400).
 
-    def prepare_completion(self, request: CompletionRequest) -> tuple[SamplingParams, list[RenderedPrompt]]:
-        """Validate everything before anything is queued (raises ValueError/TypeError).
-
-        vLLM validates inside ``create_completion``; apart here, so that the
-        route answers 400 before a stream has started.
+        A smaller request that does not fit after a long prompt is not: as in
+        vLLM, it runs until the context is full and ends with ``"length"``. The
+        engine refuses a prompt longer than the context on its own.
         """
-        params = request.to_sampling_params()
-        return params, [self.engine.renderer.render_prompt(p) for p in _prompt_list(request.prompt)]
+        if requested is not None and requested > self.max_model_len:
+            raise ValidationError(
+                f"{param}={requested} cannot be greater than max_model_len={self.max_model_len}. "
+                "Please request fewer output tokens.", parameter=param)
 
-    async def create_completion(
-        self, request: CompletionRequest, params: SamplingParams, prompts: list[RenderedPrompt]
-    ) -> CompletionResponse | AsyncIterator[str]:
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        generators = self._start_all(prompts, params, request_id, request.priority)
-        if request.stream:
-            return self.stream_generator(request, request_id, generators, _completion_chunk)
-        finals = await _last_outputs(generators)
-        return self.request_output_to_completion_response(finals, request, request_id, params)
+    def prompt_text(self, output: RequestOutput) -> str:
+        """The prompt as text, for ``echo``; a token-id prompt is decoded first."""
+        if output.prompt is not None:
+            return output.prompt
+        return str(self.tokenizer.decode(output.prompt_token_ids))
 
-    def request_output_to_completion_response(
-        self, finals: list[RequestOutput], request: CompletionRequest, request_id: str, params: SamplingParams
-    ) -> CompletionResponse:
-        """One response holding every prompt's ``n`` choices, numbered prompt by prompt."""
-        choices = [
-            CompletionChoice(index=i * params.n + c.index, text=_echoed(request, final, c),
-                             logprobs=_completion_logprobs(c), finish_reason=c.finish_reason,
-                             stop_reason=c.stop_reason)
-            for i, final in enumerate(finals) for c in final.outputs
-        ]
-        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=_usage(finals))
+    def decoded(self, token_id: int, logprob: Logprob | None) -> str:
+        """A candidate token's text: the one the engine decoded, or decoded here."""
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return str(self.tokenizer.decode([token_id]))
 
-    # ---- /v1/chat/completions -------------------------------------------------------------
-
-    def prepare_chat(self, request: ChatCompletionRequest) -> tuple[SamplingParams, RenderedPrompt]:
-        params = request.to_sampling_params()
-        return params, self.engine.renderer.render_chat(request.conversation())
-
-    async def create_chat_completion(
-        self, request: ChatCompletionRequest, params: SamplingParams, prompt: RenderedPrompt
-    ) -> ChatCompletionResponse | AsyncIterator[str]:
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generators = self._start_all([prompt], params, request_id, request.priority)
-        if request.stream:
-            return self.stream_generator(request, request_id, generators, _chat_chunk)
-        return await self.chat_completion_full_generator(request_id, generators)
-
-    async def chat_completion_full_generator(
-        self, request_id: str, generators: list[AsyncGenerator[RequestOutput, None]]
-    ) -> ChatCompletionResponse:
-        """The whole answer as one response, once the request has finished."""
-        (final,) = await _last_outputs(generators)
-        choices = [
-            ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), logprobs=_chat_logprobs(c),
-                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            for c in final.outputs
-        ]
-        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                      usage=_usage([final]))
-
-    def _start_all(
+    def start_all(
         self, prompts: list[RenderedPrompt], params: SamplingParams, request_id: str, priority: int
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         """One engine request per prompt, all or none: a refused prompt aborts those sent before it."""
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         generators: list[AsyncGenerator[RequestOutput, None]] = []
         try:
             for prompt, core_id in zip(prompts, ids):
@@ -138,58 +103,11 @@ class OpenAIServing:
             raise
         return generators
 
-    # ---- streaming ----------------------------------------------------------------------------
 
-    async def stream_generator(
-        self,
-        request: CompletionRequest | ChatCompletionRequest,
-        request_id: str,
-        generators: list[AsyncGenerator[RequestOutput, None]],
-        make_chunk: Any,
-    ) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per new piece of text, then usage, then [DONE]."""
-        n = request.n
-        sent: dict[int, int] = {}  # choice index -> characters already sent
-        finals: dict[int, RequestOutput] = {}
-        try:
-            async for prompt_index, output in _merged(generators):
-                for completion in output.outputs:
-                    index = prompt_index * n + completion.index
-                    start = sent.get(index, 0)
-                    if len(completion.text) <= start and completion.finish_reason is None:
-                        continue
-                    sent[index] = max(len(completion.text), start)
-                    chunk = make_chunk(request_id, self.served_model_name, index, completion,
-                                       completion.text[start:], first=start == 0)
-                    yield _sse(chunk)
-                if output.finished:
-                    finals[prompt_index] = output
-            if request.stream_options is not None and request.stream_options.include_usage:
-                usage_chunk = make_chunk(request_id, self.served_model_name, None, None, "", first=False)
-                usage_chunk.usage = _usage(list(finals.values()))
-                yield _sse(usage_chunk)
-        except Exception as error:  # noqa: BLE001 -- the headers are sent: report in-band
-            yield "data: " + json.dumps({"error": {"message": str(error), "type": type(error).__name__,
-                                                   "param": None, "code": 500}}) + "\n\n"
-        yield "data: [DONE]\n\n"
-
-
-def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Any]:
-    """OpenAI's four prompt shapes, as a list of nanoengine prompts."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise ValueError("prompt must not be empty.")
-    items: list[Any] = list(prompt)
-    if all(isinstance(item, int) for item in items):
-        return [{"prompt_token_ids": items}]
-    return [item if isinstance(item, str) else {"prompt_token_ids": list(item)} for item in items]
-
-
-async def _last_outputs(generators: Sequence[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
+async def last_outputs(generators: Sequence[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
     """Run every generator to its end; a request the engine refused is the client's error."""
     finals: dict[int, RequestOutput] = {}
-    async for index, output in _merged(generators):
+    async for index, output in merged(generators):
         finals[index] = output
     for final in finals.values():
         refused = [c for c in final.outputs if not c.token_ids and c.finish_reason in ("length", "error")]
@@ -198,7 +116,7 @@ async def _last_outputs(generators: Sequence[AsyncGenerator[RequestOutput, None]
     return [finals[index] for index in range(len(generators))]
 
 
-async def _merged(
+async def merged(
     generators: Sequence[AsyncGenerator[RequestOutput, None]],
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(generator index, output) from several generators, in arrival order.
@@ -242,71 +160,33 @@ async def _merged(
             await generator.aclose()
 
 
-def _sse(chunk: BaseModel) -> str:
-    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-
-
-def _completion_chunk(request_id: str, model: str, index: int | None, completion: CompletionOutput | None,
-                      text: str, first: bool) -> CompletionResponse:
-    if completion is None or index is None:
-        return CompletionResponse(id=request_id, model=model, choices=[])
-    return CompletionResponse(id=request_id, model=model, choices=[
-        CompletionChoice(index=index, text=text, finish_reason=completion.finish_reason,
-                         stop_reason=completion.stop_reason)])
-
-
-def _chat_chunk(request_id: str, model: str, index: int | None, completion: CompletionOutput | None,
-                text: str, first: bool) -> ChatCompletionChunk:
-    if completion is None or index is None:
-        return ChatCompletionChunk(id=request_id, model=model, choices=[])
-    delta = ChatDelta(role="assistant" if first else None, content=text)
-    return ChatCompletionChunk(id=request_id, model=model, choices=[
-        ChatStreamChoice(index=index, delta=delta, finish_reason=completion.finish_reason)])
-
-
-def _echoed(request: CompletionRequest, final: RequestOutput, completion: CompletionOutput) -> str:
-    return (final.prompt or "") + completion.text if request.echo else completion.text
-
-
-def _usage(finals: list[RequestOutput]) -> UsageInfo:
-    prompt_tokens = sum(len(final.prompt_token_ids) for final in finals)
-    completion_tokens = sum(len(c.token_ids) for final in finals for c in final.outputs)
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
 
 
-def _token_logprobs(completion: CompletionOutput) -> list[tuple[int, Any]]:
-    """(sampled token id, its {token id: Logprob} dict) per generated token."""
-    logprobs = getattr(completion, "logprobs", None) or []
-    return list(zip(completion.token_ids, logprobs))
+def sse(chunk: BaseModel, *, exclude_unset: bool = False, exclude_none: bool = False) -> str:
+    """One server-sent event, leaving out the fields nobody set, or the null ones, when asked."""
+    return f"data: {chunk.model_dump_json(exclude_unset=exclude_unset, exclude_none=exclude_none)}\n\n"
 
 
-def _completion_logprobs(completion: CompletionOutput) -> dict[str, Any] | None:
-    """The legacy completions shape: parallel lists of tokens, logprobs and top alternatives."""
-    pairs = _token_logprobs(completion)
-    if not pairs:
+def sse_error(error: Exception) -> str:
+    """An error after the stream's headers went out can only be reported in-band, as vLLM does."""
+    body = {"error": {"message": str(error), "type": "BadRequestError" if isinstance(error, ValueError)
+                      else "InternalServerError", "param": getattr(error, "parameter", None),
+                      "code": 400 if isinstance(error, ValueError) else 500}}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def floored(logprob: Logprob) -> float:
+    return max(logprob.logprob, LOGPROB_FLOOR)
+
+
+def prompt_logprobs_out(prompt_logprobs: PromptLogprobs | None) -> list[dict[int, dict[str, Any]] | None] | None:
+    """Prompt logprobs as vLLM serialises its ``Logprob`` objects: {token id: {logprob, rank, decoded_token}}."""
+    if prompt_logprobs is None:
         return None
-    return {
-        "tokens": [ranked[token].decoded_token for token, ranked in pairs],
-        "token_logprobs": [ranked[token].logprob for token, ranked in pairs],
-        "top_logprobs": [{lp.decoded_token: lp.logprob for lp in ranked.values()} for _, ranked in pairs],
-        "text_offset": [],
-    }
-
-
-def _chat_logprobs(completion: CompletionOutput) -> dict[str, Any] | None:
-    """The chat shape: one entry per token, each with its top alternatives."""
-    pairs = _token_logprobs(completion)
-    if not pairs:
-        return None
-    content = []
-    for token, ranked in pairs:
-        chosen = ranked[token]
-        top = sorted(ranked.values(), key=lambda lp: lp.rank if lp.rank is not None else len(ranked))
-        content.append({
-            "token": chosen.decoded_token, "logprob": chosen.logprob,
-            "bytes": list((chosen.decoded_token or "").encode()),
-            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
-                              "bytes": list((lp.decoded_token or "").encode())} for lp in top],
-        })
-    return {"content": content}
+    return [None if position is None else
+            {token: {"logprob": floored(lp), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token, lp in position.items()}
+            for position in prompt_logprobs]

@@ -1,0 +1,23 @@
+"""The error a request's bad value raises, carrying the parameter it came from.
+
+Chapters 7 and 8. Offline, ``SamplingParams(temperature=-1)`` raises it and the
+message names the value and the limit. Online, the server turns it into
+OpenAI's error body with ``"param": "temperature"``, so a client can tell which
+field to fix without parsing the message. It is a ``ValueError``, so code that
+catches ``ValueError`` keeps working.
+
+vLLM 0.32 counterpart: ``VLLMValidationError`` in ``vllm/exceptions.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ValidationError(ValueError):
+    """A value the engine refuses; ``parameter`` names the request field it came from."""
+
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
