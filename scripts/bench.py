@@ -53,7 +53,7 @@ from rich.console import Console
 from rich.table import Table
 
 from chapters.roofline_math import describe_matmul_paths, extras_table, measure_gemm_roofline, workload_flops
-from nanoengine.platforms.cpu import cpu_flags, cpu_model_name, isa_cap_environment
+from nanoengine.platforms.cpu import describe_cpu, isa_cap_environment
 from nanoengine.transformers_utils.config import DEFAULT_MODEL, get_hf_config, resolve_model_path
 
 
@@ -340,13 +340,6 @@ def restart_capped(isa: str) -> None:
         return
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **cap})
-
-
-def describe_cpu() -> str:
-    """The CPU every figure below was measured on."""
-    flags = " ".join(cpu_flags()) or "unknown"
-    aten = torch.backends.cpu.get_cpu_capability()
-    return f"CPU: {cpu_model_name()} ({os.cpu_count()} cores); flags: {flags}; ATen {aten}"
 
 
 def main(argv: list[str] | None = None) -> int:

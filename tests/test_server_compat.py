@@ -57,7 +57,7 @@ def test_full_responses_carry_null_fields(server: str) -> None:
     (choice,) = completion["choices"]
     assert {"logprobs", "stop_reason", "token_ids", "prompt_logprobs", "prompt_token_ids"} <= set(choice)
     assert choice["logprobs"] is None and choice["stop_reason"] is None and choice["finish_reason"] == "length"
-    assert completion["system_fingerprint"] is None and "service_tier" in completion
+    assert completion["system_fingerprint"].startswith("nanoengine-") and "service_tier" in completion
     assert set(completion["usage"]) == {"prompt_tokens", "total_tokens", "completion_tokens",
                                         "prompt_tokens_details", "completion_tokens_details"}
     chat = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}).json()
@@ -69,7 +69,10 @@ def test_full_responses_carry_null_fields(server: str) -> None:
 def test_streamed_completion_logprobs_and_text_offsets_match_the_whole(server: str) -> None:
     body = {"prompt": "hello world", "max_tokens": 6, "temperature": 0.0, "logprobs": 2, "ignore_eos": True}
     whole = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
-    chunks = [c["choices"][0] for c in events(server, "/v1/completions", body) if c["choices"]]
+    stream = events(server, "/v1/completions", body)
+    assert all(c["object"] == "text_completion" for c in stream)
+    assert [c.get("system_fingerprint") is not None for c in stream] == [False] * (len(stream) - 1) + [True]
+    chunks = [c["choices"][0] for c in stream if c["choices"]]
     assert all(c["logprobs"] is not None for c in chunks)  # vLLM sends them on every chunk
     joined: dict[str, list[Any]] = {key: [v for c in chunks for v in c["logprobs"][key]] for key in whole}
     assert joined["tokens"] == whole["tokens"] and joined["text_offset"] == whole["text_offset"]
@@ -84,6 +87,8 @@ def test_chat_stream_opens_and_closes_every_choice_once(server: str) -> None:
     body = {"messages": CHAT, "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 3, "logprobs": True,
             "top_logprobs": 1, "stream_options": {"include_usage": True}}
     chunks = events(server, "/v1/chat/completions", body)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert [c.get("system_fingerprint") is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
     openings = chunks[:2]
     assert [c["choices"][0]["delta"] for c in openings] == [{"role": "assistant", "content": ""}] * 2
     assert sorted(c["choices"][0]["index"] for c in openings) == [0, 1]
@@ -109,6 +114,7 @@ def test_echo_returns_the_prompt_with_its_logprobs_whole_and_streamed(server: st
     first = events(server, "/v1/completions", body)[0]["choices"][0]
     assert first["text"].startswith("hello world") and first["logprobs"]["tokens"][:len(prompt_ids)] == \
         logprobs["tokens"][:len(prompt_ids)]
+    assert first["prompt_token_ids"] == prompt_ids  # vLLM's echo sends the prompt's ids with its text
 
 
 def test_chat_max_tokens_defaults_to_the_rest_of_the_context(server: str) -> None:
@@ -137,6 +143,14 @@ def test_limits_are_400s_naming_the_parameter(server: str, path: str, body: dict
     reply = post(server, path, body)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+def test_tools_the_model_may_not_call_are_accepted(server: str) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "tools": tools,
+                                                 "tool_choice": "none"}).status_code == 200
+    refused = post(server, "/v1/chat/completions", {"messages": CHAT, "tools": tools, "tool_choice": "auto"})
+    assert refused.status_code == 400 and "tools" in refused.json()["error"]["message"]
 
 
 def test_stop_token_ids_end_the_text_without_the_stop_token(server: str) -> None:

@@ -170,3 +170,10 @@ def cpu_model_name() -> str:
     """The CPU's model name as Linux reports it (else what Python's platform module knows)."""
     return cpuinfo_line("model name") or platform.processor() or platform.machine()
 # [/anchor: kernel-isa]
+
+
+def describe_cpu() -> str:
+    """One line naming the CPU a figure was measured on: model, cores, vector flags, ATen's level."""
+    flags = " ".join(cpu_flags()) or "unknown"
+    aten = torch.backends.cpu.get_cpu_capability()
+    return f"CPU: {cpu_model_name()} ({os.cpu_count()} cores); flags: {flags}; ATen {aten}"

@@ -74,11 +74,23 @@ _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFou
                 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    """OpenAI's error body, the status repeated as ``code``."""
-    body = ErrorResponse(error=ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "Error"),
+# Segments pydantic puts in an error's location that name a type, not a field:
+# "prompt" fails as a "str" and as a "list[int]" before the union gives up.
+_TYPE_SEGMENTS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "union", "function-after",
+                            "function-before", "function-wrap", "function-plain"})
+
+
+def error_response(status: int, message: str, param: str | None = None, kind: str | None = None) -> JSONResponse:
+    """OpenAI's error body, the status repeated as ``code``; ``kind`` overrides the usual type."""
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind or _ERROR_TYPES.get(status, "Error"),
                                          param=param, code=status))
     return JSONResponse(body.model_dump(), status_code=status)
+
+
+def field_path(location: tuple[int | str, ...]) -> str:
+    """A pydantic error location as vLLM's ``param``: ``body.messages.0.role``, type names left out."""
+    kept = [str(part) for part in location if not ("[" in str(part) or str(part) in _TYPE_SEGMENTS)]
+    return ".".join(kept)
 
 
 def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
@@ -99,11 +111,15 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        """A body pydantic refused, answered as vLLM does: type "Bad Request", ``param`` the field's path
+        (for JSON that does not parse, ``body.<character offset>``)."""
         first = error.errors()[0] if error.errors() else {}
+        where = field_path(tuple(first.get("loc", ()))) or None
         if first.get("type") == "json_invalid":
-            return error_response(400, f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
-        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
-        return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where)
+            message = f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+        else:
+            message = f"{where or 'body'}: {first.get('msg', 'invalid request')}"
+        return error_response(400, message, where, kind="Bad Request")
 
     @app.middleware("http")
     async def require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:

@@ -158,6 +158,10 @@ class SamplingFields(RequestModel):
     def _refuse_unsupported(self) -> None:
         asked = [name for name in UNSUPPORTED_FIELDS
                  if getattr(self, name) not in (None, False, [], "none")]
+        if self.tool_choice == "none" and "tools" in asked:
+            # Tools the model may not call only describe them: the chat template shows
+            # them to the model (as vLLM does) and no call is ever parsed.
+            asked.remove("tools")
         if asked:
             raise ValidationError(f"{', '.join(asked)}: not supported by this server (nanoengine serve); "
                                   "leave them out. Structured output: response_format or structured_outputs.",
@@ -232,7 +236,8 @@ def _token_id(key: str) -> int:
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: a text prompt (or token ids) to continue."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # Optional to pydantic so that a missing prompt gets the same 400 as an empty one.
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
     # OpenAI's default for completions; chat has none (the rest of the context).
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -284,7 +289,7 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: a conversation to answer."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage]
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -306,6 +311,8 @@ class ChatCompletionRequest(SamplingFields):
         return SamplingParams(**self._sampling_kwargs(max_tokens, logprobs))
 
     def conversation(self) -> list[dict[str, str]]:
+        if not self.messages:
+            raise ValidationError("messages must hold at least one message.", parameter="messages")
         return conversation(self.messages)
 
 
@@ -373,6 +380,8 @@ class CompletionStreamResponse(OpenAIModel):
     model: str
     choices: list[CompletionStreamChoice]
     usage: UsageInfo | None = None
+    # Only on a stream's last chunk, as in vLLM: one stamp, not one per token.
+    system_fingerprint: str | None = None
 
 
 class ChatLogProb(OpenAIModel):
@@ -445,6 +454,7 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None
 
 

@@ -30,12 +30,15 @@ and ``TokenizeParams`` (``vllm/renderers/params.py``), and ``merge_async_iterato
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from pydantic import BaseModel
 
+from nanoengine import __version__
+from nanoengine.config import EngineConfig
 from nanoengine.engine.async_llm import AsyncLLM
 from nanoengine.entrypoints.openai.protocol import UsageInfo
 from nanoengine.exceptions import ValidationError
@@ -64,6 +67,7 @@ class OpenAIServing:
         self.tokenizer: Any = engine.tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = engine.engine_config.model_config.max_model_len
+        self.system_fingerprint = system_fingerprint(engine.engine_config)
 
     def check_max_tokens(self, requested: int | None, param: str) -> None:
         """More output tokens than the whole context holds is always a mistake (a 400).
@@ -102,6 +106,22 @@ class OpenAIServing:
             self.engine.abort_request(ids[: len(generators)])
             raise
         return generators
+
+
+def system_fingerprint(config: EngineConfig) -> str:
+    """``nanoengine-<version>[-tp<N>]-<hash8>``: which engine build and configuration answered.
+
+    OpenAI's field lets a client notice that the backend changed between two
+    answers. Like vLLM's (``--fingerprint-mode full``), it names the version,
+    any tensor parallelism, and 8 hex digits of a hash over the settings that
+    change outputs: the weights, their dtype, the context length, the kernels.
+    """
+    model = config.model_config
+    settings = (model.model_path, model.dtype, model.max_model_len, model.seed, model.attention_backend,
+                model.linear_backend, config.cache_config.block_size, config.parallel_config.tensor_parallel_size)
+    digest = hashlib.sha256(repr(settings).encode()).hexdigest()[:8]
+    tp = config.parallel_config.tensor_parallel_size
+    return "-".join(["nanoengine", __version__, *([f"tp{tp}"] if tp > 1 else []), digest])
 
 
 async def last_outputs(generators: Sequence[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:

@@ -62,7 +62,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_max_tokens(request.requested_max_tokens(), request.max_tokens_param)
         params = request.to_sampling_params(request.requested_max_tokens())
         prompt = self.engine.renderer.render_chat(request.conversation(),
-                                                  add_generation_prompt=request.add_generation_prompt)
+                                                  add_generation_prompt=request.add_generation_prompt,
+                                                  chat_template_kwargs={"tools": request.tools} if request.tools else None)
         return params, prompt
 
     async def create_chat_completion(
@@ -88,6 +89,7 @@ class OpenAIServingChat(OpenAIServing):
         ]
         return ChatCompletionResponse(
             id=request_id, model=self.served_model_name, choices=choices,
+            system_fingerprint=self.system_fingerprint,
             usage=usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)),
             prompt_logprobs=prompt_logprobs_out(final.prompt_logprobs),
             prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None)
@@ -98,11 +100,15 @@ class OpenAIServingChat(OpenAIServing):
         """Role chunks, (echo chunks,) one chunk per moved choice per step, usage, [DONE]."""
         created = int(time.time())
 
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+
         def chunk(choice: ChatStreamChoice, opening: bool = False) -> str:
-            message = ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
-                                          choices=[choice])
+            message = ChatCompletionChunk(id=request_id, object="chat.completion.chunk", created=created,
+                                          model=self.served_model_name, choices=[choice])
             if opening:  # set, even to null, so that it is sent: vLLM's opening chunks carry it
                 message.prompt_token_ids = prompt_ids
+            if choice.finish_reason is not None and not include_usage:
+                message.system_fingerprint = self.system_fingerprint  # the stream's last chunk
             return sse(message, exclude_unset=True)
 
         tokens_sent = [0] * request.n
@@ -128,9 +134,11 @@ class OpenAIServingChat(OpenAIServing):
                     tokens_sent[i] += len(completion.token_ids)
                     finished[i] = completion.finish_reason is not None
                     yield chunk(self._stream_choice(request, completion))
-            if request.stream_options is not None and request.stream_options.include_usage:
-                last = ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name, choices=[],
-                                           usage=usage(prompt_tokens, sum(tokens_sent)))
+            if include_usage:
+                last = ChatCompletionChunk(id=request_id, object="chat.completion.chunk", created=created,
+                                           model=self.served_model_name, choices=[],
+                                           usage=usage(prompt_tokens, sum(tokens_sent)),
+                                           system_fingerprint=self.system_fingerprint)
                 yield sse(last, exclude_unset=True, exclude_none=True)
         except Exception as error:  # noqa: BLE001 -- the headers are sent: report in-band
             yield sse_error(error)

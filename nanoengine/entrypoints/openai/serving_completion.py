@@ -92,6 +92,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_tokens = sum(len(final.prompt_token_ids) for final in finals)
         completion_tokens = sum(len(c.token_ids) for final in finals for c in final.outputs)
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                  system_fingerprint=self.system_fingerprint,
                                   usage=usage(prompt_tokens, completion_tokens))
 
     async def completion_stream_generator(
@@ -104,6 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_sent = [False] * num_choices  # the echo (or prompt ids) goes with a choice's first chunk
         prompt_tokens = [0] * len(generators)
         created = int(time.time())
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
         try:
             async for prompt_index, output in merged(generators):
                 prompt_tokens[prompt_index] = len(output.prompt_token_ids)
@@ -124,13 +126,18 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice = CompletionStreamChoice(
                         index=i, text=text, logprobs=chunk_logprobs, finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
-                        prompt_token_ids=output.prompt_token_ids if first and request.return_token_ids else None,
+                        # An echo shows the prompt's ids with its text, as vLLM's does.
+                        prompt_token_ids=output.prompt_token_ids if first and prompt_sent[i] else None,
                         token_ids=list(completion.token_ids) if request.return_token_ids else None)
-                    yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
-                                                       choices=[choice]), exclude_unset=True)
-            if request.stream_options is not None and request.stream_options.include_usage:
+                    chunk = CompletionStreamResponse(id=request_id, object="text_completion", created=created,
+                                                     model=self.served_model_name, choices=[choice])
+                    if completion.finish_reason is not None and not include_usage:
+                        chunk.system_fingerprint = self.system_fingerprint  # the stream's last chunk
+                    yield sse(chunk, exclude_unset=True)
+            if include_usage:
                 last = CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
-                                                choices=[], usage=usage(sum(prompt_tokens), sum(tokens_sent)))
+                                                choices=[], usage=usage(sum(prompt_tokens), sum(tokens_sent)),
+                                                system_fingerprint=self.system_fingerprint)
                 yield sse(last, exclude_none=True)
         except Exception as error:  # noqa: BLE001 -- the headers are sent: report in-band
             yield sse_error(error)
@@ -184,12 +191,12 @@ class OpenAIServingCompletion(OpenAIServing):
                                   top_logprobs=top)
 
 
-def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Any]:
+def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]] | None) -> list[Any]:
     """OpenAI's four prompt shapes, as a list of nanoengine prompts."""
+    if not prompt:
+        raise ValidationError("prompt must be given and must not be empty.", parameter="prompt")
     if isinstance(prompt, str):
         return [prompt]
-    if not prompt:
-        raise ValidationError("prompt must not be empty.", parameter="prompt")
     items: list[Any] = list(prompt)
     if all(isinstance(item, int) for item in items):
         return [{"prompt_token_ids": items}]
