@@ -188,3 +188,19 @@ def test_access_log_and_a_warning_for_ignored_fields(server: str, server_log: Pa
     log = server_log.read_text()
     assert '"POST /v1/completions HTTP/1.1" 200' in log
     assert "ignores: frobnicate, user" in log
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "status"),
+    [
+        ("/v1/completions", b"\x9b\xf6", 400),  # not UTF-8 (found by fuzzing: FastAPI's own {"detail": ...})
+        ("/v1/completions", b'{"a":' * 2000 + b"1" + b"}" * 2000, 400),  # nested deeper than the parser goes
+        ("/v1/nothing-here", b"{}", 404),
+    ],
+)
+def test_what_the_framework_refuses_gets_openai_error_bodies(server: str, path: str, raw: bytes,
+                                                             status: int) -> None:
+    reply = httpx.post(f"{server}{path}", content=raw, headers={**HEADERS, "Content-Type": "application/json"})
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status

@@ -74,6 +74,18 @@ def test_bad_grammar_is_finished_error_and_the_batch_continues(tiny_llama: str) 
     assert plain.outputs[0].finish_reason == "length" and len(plain.outputs[0].token_ids) == 5
 
 
+def test_an_ended_grammar_leaves_the_rest_unconstrained(tiny_llama: str) -> None:
+    """ignore_eos keeps a request going after its grammar took the stop token (found by fuzzing
+    the server: asking xgrammar for the next mask then raised and killed the engine core)."""
+    llm = LLM(model=tiny_llama, max_model_len=256, num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=["0"]))
+    (output,) = llm.generate(["Hello"], params, use_tqdm=False)
+    completion = output.outputs[0]
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 6
+    assert completion.text.startswith("0")
+
+
 def test_grammar_compiles_off_the_engine_thread(tiny_llama: str) -> None:
     """The first step after add_request runs the plain request while the grammar compiles."""
     engine = make_engine(tiny_llama)

@@ -79,7 +79,11 @@ class StructuredOutputManager:
         for row, req_id in enumerate(structured_output_request_ids):
             structured = requests[req_id].structured_output_request
             assert structured is not None and structured.grammar is not None, f"{req_id} has no compiled grammar"
-            structured.grammar.fill_bitmask(bitmask, row)
+            # A grammar that has ended (it took its stop token, yet ignore_eos or
+            # min_tokens keeps the request going) constrains nothing more: its row
+            # stays all-allowed, as vLLM leaves it. Asking xgrammar for a mask would raise.
+            if not structured.grammar.is_terminated():
+                structured.grammar.fill_bitmask(bitmask, row)
         return bitmask
 
     def shutdown(self) -> None:

@@ -39,6 +39,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from http import HTTPStatus
 from typing import Any
 
 import uvicorn
@@ -46,6 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nanoengine import __version__
@@ -109,6 +111,12 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
         engine.shutdown()
 
     app = FastAPI(title="nanoengine", lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """What the framework refuses on its own (an unknown route, a body that is not
+        UTF-8, JSON nested too deep) gets OpenAI's error body too, typed as vLLM types it."""
+        return error_response(error.status_code, str(error.detail), kind=HTTPStatus(error.status_code).phrase)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
