@@ -26,6 +26,8 @@ _GREEDY_EPS = 1e-5
 # The most top logprobs one position may ask for (``logprobs``, ``prompt_logprobs``):
 # OpenAI's limit, and vLLM's default ``max_logprobs``.
 MAX_LOGPROBS = 20
+# The most samples one request may ask for (vLLM's VLLM_MAX_N_SEQUENCES default).
+MAX_N = 16384
 # OpenAI's range for one logit_bias entry: +-100 bans or forces a token.
 MAX_ABS_LOGIT_BIAS = 100.0
 # OpenAI's range for presence_penalty and frequency_penalty.
@@ -162,8 +164,8 @@ class SamplingParams:
     def _verify(self) -> None:
         """Reject values no sampler could honour; each message names value and limit."""
         _check_int("n", self.n)
-        if self.n < 1:
-            raise ValidationError(f"n must be at least 1, got {self.n}.", parameter="n")
+        if not 1 <= self.n <= MAX_N:
+            raise ValidationError(f"n must be in [1, {MAX_N}], got {self.n}.", parameter="n")
         if _check_finite("temperature", self.temperature) < 0.0:
             raise ValidationError(f"temperature must be non-negative, got {self.temperature}.", parameter="temperature")
         if self.n > 1 and self.temperature < _GREEDY_EPS:
@@ -241,9 +243,12 @@ class SamplingParams:
 
 
 def _check_int(name: str, value: object) -> None:
-    """bool is an int subclass in Python; reject it along with floats and strings."""
+    """bool is an int subclass in Python; reject it along with floats and strings. An int
+    travels to the engine core as a 64-bit integer (msgpack), so it must fit in one."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
+    if not -(2**63) <= value < 2**63:
+        raise ValidationError(f"{name} must fit in a signed 64-bit integer, got {value}.", parameter=name)
 
 
 def _check_finite(name: str, value: object) -> float:

@@ -33,7 +33,7 @@ def _tokens(llm: LLM, prompt: Any = "Hello world") -> list[int]:
         (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
         (dict(top_k=-2), r"top_k must be -1 \(disable\) or at least 1, got -2"),
         (dict(top_k=0), r"top_k must be -1 \(disable\) or at least 1, got 0"),
-        (dict(n=0), r"n must be at least 1, got 0"),
+        (dict(n=0), r"n must be in \[1, 16384\], got 0"),
         (dict(min_tokens=5, max_tokens=2), r"min_tokens must be at most max_tokens=2, got 5"),
     ],
 )

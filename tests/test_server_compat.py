@@ -137,6 +137,12 @@ def test_chat_max_tokens_defaults_to_the_rest_of_the_context(server: str) -> Non
         ("/v1/completions", {"prompt": "x", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
         ("/v1/completions", {"prompt": [5] * (MAX_MODEL_LEN + 1)}, "input_tokens"),
         ("/v1/completions", {"prompt": "x", "tools": [{"type": "function"}]}, "tools"),
+        # Found by fuzzing: each of these crashed, killed or hung something before.
+        ("/v1/completions", {"prompt": "x", "top_k": 2**64 + 1}, "top_k"),
+        ("/v1/completions", {"prompt": "x", "priority": 2**70}, "body.priority"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6], "min_tokens": 1}, "stop_token_ids"),
+        ("/v1/chat/completions", {"messages": CHAT, "min_tokens": 10**9}, "min_tokens"),
+        ("/v1/completions", {"prompt": "x", "n": 20_000}, "n"),
     ],
 )
 def test_limits_are_400s_naming_the_parameter(server: str, path: str, body: dict[str, Any], param: str) -> None:

@@ -64,12 +64,14 @@ class InputProcessor:
         """
         self._validate_needs_tokenizer(params)
         vocab = self.model_config.vocab_size
-        for token_id in params.logit_bias or {}:
-            if not 0 <= token_id < vocab:
-                raise ValueError(
-                    f"logit_bias token id {token_id} is out of vocabulary (vocab size {vocab}, "
-                    f"valid ids are 0..{vocab - 1})."
-                )
+        # Both become indices into the logits (a bias added, a stop token masked
+        # under min_tokens): one outside the vocabulary would crash the core's step.
+        for name, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            for token_id in token_ids or ():
+                if not 0 <= token_id < vocab:
+                    raise ValidationError(
+                        f"{name} token id {token_id} is out of vocabulary (vocab size {vocab}, "
+                        f"valid ids are 0..{vocab - 1}).", parameter=name)
         for name in ("logprobs", "prompt_logprobs"):
             count = getattr(params, name)
             if count is not None and count > vocab:
@@ -121,3 +123,9 @@ class InputProcessor:
         room = self.model_config.max_model_len - prompt_len
         if params.max_tokens is None:
             params.max_tokens = max(room, 1)
+            # Checked here, not only in SamplingParams: the core re-checks the params
+            # it decodes, and a request refused there would never answer.
+            if params.min_tokens > params.max_tokens:
+                raise ValidationError(
+                    f"min_tokens={params.min_tokens} is more than the {params.max_tokens} tokens left in the "
+                    f"context (max_model_len={self.model_config.max_model_len}).", parameter="min_tokens")

@@ -137,7 +137,7 @@ class SamplingFields(RequestModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     return_token_ids: bool = False
     response_format: ResponseFormat | None = None
