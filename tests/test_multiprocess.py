@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from nanoengine import LLM, SamplingParams
+from nanoengine.engine import EngineCoreRequest, FinishReason
 from nanoengine.engine.core_client import SyncMPClient
 from nanoengine.engine.exceptions import EngineDeadError
 from nanoengine.renderers.hf import TokensPrompt
@@ -67,6 +68,24 @@ def test_same_tokens_as_in_process_and_the_tree_crosses_the_boundary(tiny_llama:
     finally:
         llm.llm_engine.shutdown()
     assert _wait_until_gone(pid, 5.0), f"core process {pid} outlived shutdown()"
+
+
+def test_a_request_the_core_cannot_decode_ends_with_an_error_and_the_core_goes_on(tiny_llama: str) -> None:
+    """The core re-checks every request it decodes; one it refuses must answer, not vanish (found by
+    fuzzing the server: the core's input thread died, and every later request waited forever)."""
+    llm = LLM(tiny_llama, multiprocess_mode=True, **SMALL)
+    client = _client(llm)
+    try:
+        broken = SamplingParams(temperature=0.0, max_tokens=5)
+        broken.min_tokens = 10  # past SamplingParams' own check, as a front-end bug could let it
+        client.add_request(EngineCoreRequest("broken", [1, 2, 3], broken, eos_token_id=None))
+        (refused,) = client.get_output().outputs
+        assert refused.request_id == "broken" and refused.finish_reason == FinishReason.ERROR
+        assert refused.finish_message is not None and "min_tokens" in refused.finish_message
+        (after,) = llm.generate(["hello"], GREEDY, use_tqdm=False)
+        assert after.outputs[0].token_ids
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_env_var_turns_it_on_and_trace_is_refused(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:

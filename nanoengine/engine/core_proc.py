@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
 from nanoengine.config import EngineConfig
@@ -204,8 +205,27 @@ class EngineCoreProc(EngineCore):
             while True:
                 type_frame, data = socket.recv_multipart()
                 request_type = EngineCoreRequestType(type_frame)
-                decoder = add_decoder if request_type is EngineCoreRequestType.ADD else generic_decoder
-                self.input_queue.put_nowait((request_type, decoder.decode(data)))
+                if request_type is not EngineCoreRequestType.ADD:
+                    self.input_queue.put_nowait((request_type, generic_decoder.decode(data)))
+                    continue
+                try:
+                    self.input_queue.put_nowait((request_type, add_decoder.decode(data)))
+                except msgspec.MsgspecError as error:
+                    self._refuse_undecodable(generic_decoder.decode(data), error)
+
+    def _refuse_undecodable(self, raw: Any, error: Exception) -> None:
+        """A request whose fields the core refuses to decode ends at once with the reason.
+
+        Decoding re-checks every field (``SamplingParams.__post_init__`` runs
+        again), so a value the front end let through is caught here; raised, it
+        would end this thread, and with it every later request.
+        """
+        request_id = raw.get("request_id") if isinstance(raw, dict) else None
+        if not isinstance(request_id, str):
+            logger.error("The engine core dropped a request it could not decode: %s", error)
+            return
+        refused = EngineCoreOutput(request_id, [], FinishReason.ERROR, finish_message=f"Refused by the engine core: {error}")
+        self.output_queue.put_nowait(EngineCoreOutputs(outputs=[refused]))
 
     def process_output_sockets(self, output_address: str) -> None:
         """Output thread: ``output_queue`` -> msgpack bytes on the socket."""
