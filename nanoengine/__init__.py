@@ -12,12 +12,12 @@ from nanoengine.sampling_params import RepetitionDetectionParams, SamplingParams
 
 __all__ = [
     "LLM",
-    "SamplingParams",
-    "StructuredOutputsParams",
-    "RepetitionDetectionParams",
-    "RequestOutput",
     "CompletionOutput",
     "PromptType",
+    "RepetitionDetectionParams",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
     "TextPrompt",
     "TokensPrompt",
 ]

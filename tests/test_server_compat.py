@@ -143,6 +143,10 @@ def test_chat_max_tokens_defaults_to_the_rest_of_the_context(server: str) -> Non
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6], "min_tokens": 1}, "stop_token_ids"),
         ("/v1/chat/completions", {"messages": CHAT, "min_tokens": 10**9}, "min_tokens"),
         ("/v1/completions", {"prompt": "x", "n": 20_000}, "n"),
+        ("/v1/completions", {"prompt": "x", "stream": True, "structured_outputs": {"regex": "[("}},
+         "structured_outputs"),
+        ("/v1/chat/completions", {"messages": CHAT, "stream": True, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, "structured_outputs"),
     ],
 )
 def test_limits_are_400s_naming_the_parameter(server: str, path: str, body: dict[str, Any], param: str) -> None:

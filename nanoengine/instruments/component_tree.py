@@ -212,7 +212,7 @@ def _live_detail(obj: object, entry: Component | None) -> str | None:
     if entry is not None and entry.detail is not None:
         try:
             detail = entry.detail(obj)
-        except Exception as exc:  # printing must never be what crashes the engine
+        except Exception as exc:  # noqa: BLE001 -- printing must never be what crashes the engine
             return f"detail raised {type(exc).__name__}: {exc}"
         return None if detail is None else str(detail)
     torch = sys.modules.get("torch")  # only if someone else already paid to import it

@@ -79,9 +79,10 @@ def _parse_file(filename: str) -> ast.Module | None:
 def _find_class_def(module: ast.Module, name: str, first_line: int) -> ast.ClassDef | None:
     """The ClassDef that ``inspect`` located; its first line is a decorator when decorated."""
     for node in ast.walk(module):
-        if isinstance(node, ast.ClassDef) and node.name == name:
-            if min([d.lineno for d in node.decorator_list] + [node.lineno]) == first_line:
-                return node
+        if not isinstance(node, ast.ClassDef) or node.name != name:
+            continue
+        if min([d.lineno for d in node.decorator_list] + [node.lineno]) == first_line:
+            return node
     return None
 
 

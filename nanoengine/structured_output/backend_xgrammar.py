@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from nanoengine.exceptions import ValidationError
 from nanoengine.sampling_params import StructuredOutputsParams
 from nanoengine.structured_output.request import StructuredOutputGrammar
 
@@ -53,10 +54,7 @@ class XgrammarBackend:
     def compile_grammar(self, params: StructuredOutputsParams) -> XgrammarGrammar:
         """Compile; a bad regex or schema raises (the request then ends as FINISHED_ERROR)."""
         if params.choice is not None:
-            # A choice is a grammar of alternatives; json.dumps quotes and escapes
-            # each string the way EBNF literals expect.
-            alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in params.choice)
-            compiled = self.compiler.compile_grammar(f"root ::= {alternatives}")
+            compiled = self.compiler.compile_grammar(_choice_grammar(params.choice))
         elif params.regex is not None:
             compiled = self.compiler.compile_regex(params.regex)
         else:
@@ -66,3 +64,27 @@ class XgrammarBackend:
     def allocate_token_bitmask(self, num_rows: int) -> torch.Tensor:
         """int32 [num_rows, ceil(vocab_size / 32)], every token allowed."""
         return xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    """A choice is a grammar of alternatives; json.dumps quotes and escapes each
+    string the way EBNF literals expect."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def validate_xgrammar_grammar(params: StructuredOutputsParams) -> None:
+    """Parse the grammar without a vocabulary, raising ``ValidationError`` if it is not one.
+
+    A server checks this before it answers 200 (as vLLM's front end does), so a
+    broken regex is a 400 rather than a stream that ends with nothing. Offline,
+    the request goes in and ends as FINISHED_ERROR, which chapter 5 shows.
+    """
+    try:
+        if params.choice is not None:
+            xgr.Grammar.from_ebnf(_choice_grammar(params.choice))
+        elif params.regex is not None:
+            xgr.Grammar.from_regex(params.regex)
+        else:
+            xgr.Grammar.from_json_schema(params.json_schema_text())
+    except RuntimeError as error:
+        raise ValidationError(f"The grammar is not valid: {error}".strip(), parameter="structured_outputs") from None

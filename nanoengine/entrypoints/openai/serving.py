@@ -43,7 +43,7 @@ from nanoengine.engine.async_llm import AsyncLLM
 from nanoengine.entrypoints.openai.protocol import UsageInfo
 from nanoengine.exceptions import ValidationError
 from nanoengine.logprobs import Logprob, PromptLogprobs
-from nanoengine.outputs import RequestOutput
+from nanoengine.outputs import CompletionOutput, RequestOutput
 from nanoengine.renderers.hf import RenderedPrompt
 from nanoengine.sampling_params import SamplingParams
 
@@ -80,6 +80,14 @@ class OpenAIServing:
             raise ValidationError(
                 f"{param}={requested} cannot be greater than max_model_len={self.max_model_len}. "
                 "Please request fewer output tokens.", parameter=param)
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """A grammar that does not parse is a 400 now, not a request that ends in error later."""
+        if params.structured_outputs is not None:
+            # Imported here: a server that never sees a grammar never loads xgrammar.
+            from nanoengine.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+            validate_xgrammar_grammar(params.structured_outputs)
 
     def prompt_text(self, output: RequestOutput) -> str:
         """The prompt as text, for ``echo``; a token-id prompt is decoded first."""
@@ -178,6 +186,12 @@ async def merged(
             task.cancel()
         for generator in generators:
             await generator.aclose()
+
+
+def raise_if_error(output: RequestOutput, completion: CompletionOutput) -> None:
+    """A request the engine ended in error: a stream reports it in-band instead of just stopping."""
+    if completion.finish_reason == "error":
+        raise ValueError(output.finish_message or "The engine ended the request with an error.")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:

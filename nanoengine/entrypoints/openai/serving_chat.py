@@ -42,6 +42,7 @@ from nanoengine.entrypoints.openai.serving import (
     last_outputs,
     merged,
     prompt_logprobs_out,
+    raise_if_error,
     sse,
     sse_error,
     usage,
@@ -61,6 +62,7 @@ class OpenAIServingChat(OpenAIServing):
         """Validate everything and render the conversation before anything is queued."""
         self.check_max_tokens(request.requested_max_tokens(), request.max_tokens_param)
         params = request.to_sampling_params(request.requested_max_tokens())
+        self.check_grammar(params)
         prompt = self.engine.renderer.render_chat(request.conversation(),
                                                   add_generation_prompt=request.add_generation_prompt,
                                                   chat_template_kwargs={"tools": request.tools} if request.tools else None)
@@ -128,6 +130,7 @@ class OpenAIServingChat(OpenAIServing):
                             yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(content=echoed), logprobs=None,
                                                          finish_reason=None))
                 for completion in output.outputs:
+                    raise_if_error(output, completion)
                     i = completion.index
                     if finished[i] or not (completion.text or completion.token_ids or tokens_sent[i]):
                         continue

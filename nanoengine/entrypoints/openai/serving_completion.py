@@ -39,6 +39,7 @@ from nanoengine.entrypoints.openai.serving import (
     last_outputs,
     merged,
     prompt_logprobs_out,
+    raise_if_error,
     sse,
     sse_error,
     usage,
@@ -64,6 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         self.check_max_tokens(request.requested_max_tokens(), request.max_tokens_param)
         params = request.to_sampling_params(request.requested_max_tokens())
+        self.check_grammar(params)
         return params, [self.engine.renderer.render_prompt(p) for p in _prompt_list(request.prompt)]
 
     async def create_completion(
@@ -110,6 +112,7 @@ class OpenAIServingCompletion(OpenAIServing):
             async for prompt_index, output in merged(generators):
                 prompt_tokens[prompt_index] = len(output.prompt_token_ids)
                 for completion in output.outputs:
+                    raise_if_error(output, completion)
                     i = prompt_index * request.n + completion.index
                     first = not prompt_sent[i]
                     prompt_sent[i] = prompt_sent[i] or request.echo or request.return_token_ids
