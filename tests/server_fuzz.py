@@ -60,11 +60,11 @@ from server_helpers import metric
 
 from nanoengine.entrypoints.openai.protocol import (
     CHAT_ROLES,
-    ChatCompletionRequest,
-    CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from nanoengine.entrypoints.openai.protocol_chat import ChatCompletionRequest
+from nanoengine.entrypoints.openai.protocol_completion import CompletionRequest
 from nanoengine.sampling_params import MAX_N
 
 Json = Any

@@ -56,8 +56,6 @@ from nanoengine.engine.async_llm import AsyncLLM
 from nanoengine.engine.exceptions import EngineDeadError
 from nanoengine.entrypoints.openai.metrics import ServerMetrics
 from nanoengine.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
     DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
@@ -67,6 +65,8 @@ from nanoengine.entrypoints.openai.protocol import (
     TokenizeRequest,
     conversation,
 )
+from nanoengine.entrypoints.openai.protocol_chat import ChatCompletionRequest
+from nanoengine.entrypoints.openai.protocol_completion import CompletionRequest
 from nanoengine.entrypoints.openai.serving import NEEDS_TOKENIZER
 from nanoengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from nanoengine.entrypoints.openai.serving_completion import OpenAIServingCompletion

@@ -1,34 +1,37 @@
-"""The OpenAI API's request and response bodies, as pydantic models.
+"""The OpenAI API's bodies that every route shares, as pydantic models.
 
-Chapter 8 (online serving). FastAPI parses each JSON body into one of these
-models before a handler runs, so a wrong type, a missing field or a NaN is
-refused with a 400 that names the field, and the engine never sees it. Each
-request model turns itself into ``SamplingParams`` (``to_sampling_params``);
-values pydantic cannot judge alone (``top_p`` in (0, 1], ``min_tokens`` no
-more than ``max_tokens``) are checked there, by ``SamplingParams`` itself, so
-the offline API and the server refuse exactly the same inputs.
+Chapter 8 (online serving). FastAPI parses each JSON body into a model before
+a handler runs, so a wrong type, a missing field or a NaN is refused with a
+400 that names the field, and the engine never sees it. ``SamplingFields``
+holds what both generation endpoints accept and turns it into
+``SamplingParams``; values pydantic cannot judge alone (``top_p`` in (0, 1],
+``min_tokens`` no more than ``max_tokens``) are checked there, by
+``SamplingParams`` itself, so the offline API and the server refuse exactly
+the same inputs. The endpoints' own bodies are in ``protocol_completion.py``
+and ``protocol_chat.py``.
 
 Besides OpenAI's fields, vLLM's extras are accepted with vLLM's names
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
-``skip_special_tokens``, ``include_stop_str_in_output``, ``priority``).
-Structured output comes in either of vLLM's two spellings, OpenAI's
-``response_format`` (``json_object``, ``json_schema``) or vLLM's
-``structured_outputs`` (``choice``, ``regex``, ``json``), and takes the same
-xgrammar path as offline (``StructuredOutputsParams``). A field the server
-does not implement (``tools``, ``tool_choice``, ``continue_final_message``,
-the older ``guided_*``) is refused with a 400 that names it, never ignored;
-a field nobody declared is kept aside and named in a warning in the log.
+``skip_special_tokens``, ``include_stop_str_in_output``, ``priority``,
+``prompt_logprobs``, ``return_token_ids``). Structured output comes in either
+of vLLM's two spellings, OpenAI's ``response_format`` (``json_object``,
+``json_schema``) or vLLM's ``structured_outputs`` (``choice``, ``regex``,
+``json``), and takes the same xgrammar path as offline
+(``StructuredOutputsParams``). A field the server does not implement
+(``tools`` unless ``tool_choice`` is ``"none"``, ``continue_final_message``,
+``use_beam_search``, ``suffix``, the older ``guided_*``) is refused with a 400
+that names it, never ignored; a field nobody declared is kept aside and named
+in a warning in the log.
 
 Responses carry every field vLLM's carry, ``null`` where there is nothing to
 say (``"logprobs": null``, ``"stop_reason": null``), so a client reading the raw
 JSON finds the keys it expects. Stream chunks hold only the fields their maker
 set (pydantic's ``exclude_unset``), which is how vLLM builds its chunks too.
 
-vLLM 0.32 counterpart: ``vllm/entrypoints/openai/completion/protocol.py``
-(``CompletionRequest`` and its response and stream-chunk models),
-``vllm/entrypoints/openai/chat_completion/protocol.py``
-(``ChatCompletionRequest`` and its) and
-``vllm/entrypoints/serve/engine/protocol.py`` (``ErrorResponse``).
+vLLM 0.32 counterpart: ``vllm/entrypoints/serve/engine/protocol.py``
+(``OpenAIBaseModel``, ``ErrorResponse``, ``UsageInfo``, ``ModelCard``) and
+``vllm/entrypoints/serve/tokenize/protocol.py``; the fields both endpoints
+share are written twice there, once in each request class.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nanoengine.exceptions import ValidationError
-from nanoengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from nanoengine.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 # The most top logprobs one position may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
@@ -233,30 +236,6 @@ def _token_id(key: str) -> int:
         raise ValidationError(f"logit_bias keys must be token ids, got {key!r}.", parameter="logit_bias") from None
 
 
-class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``: a text prompt (or token ids) to continue."""
-
-    # Optional to pydantic so that a missing prompt gets the same 400 as an empty one.
-    prompt: str | list[int] | list[str] | list[list[int]] | None = None
-    # OpenAI's default for completions; chat has none (the rest of the context).
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-
-    @property
-    def max_tokens_param(self) -> str:
-        return "max_tokens"
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
-
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        kwargs = self._sampling_kwargs(max_tokens, self.logprobs)
-        if self.echo and kwargs["prompt_logprobs"] is None:
-            # Echoed prompt tokens need logprobs of their own (the first has none).
-            kwargs["prompt_logprobs"] = self.logprobs
-        return SamplingParams(**kwargs)
-
-
 class ChatMessage(OpenAIModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -286,37 +265,7 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return [{"role": message.role, "content": message.text()} for message in messages]
 
 
-class ChatCompletionRequest(SamplingFields):
-    """``POST /v1/chat/completions``: a conversation to answer."""
-
-    messages: list[ChatMessage]
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    add_generation_prompt: bool = True
-
-    @property
-    def max_tokens_param(self) -> str:
-        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-
-    def requested_max_tokens(self) -> int | None:
-        """OpenAI's newer name wins over the older one when both are given."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValidationError(f"top_logprobs={self.top_logprobs} needs logprobs=true.", parameter="top_logprobs")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(**self._sampling_kwargs(max_tokens, logprobs))
-
-    def conversation(self) -> list[dict[str, str]]:
-        if not self.messages:
-            raise ValidationError("messages must hold at least one message.", parameter="messages")
-        return conversation(self.messages)
-
-
-# ---- responses --------------------------------------------------------------------------------------
+# ---- the parts of responses both endpoints share, and the other routes' bodies ----------------------
 
 
 class UsageInfo(OpenAIModel):
@@ -328,134 +277,8 @@ class UsageInfo(OpenAIModel):
     completion_tokens_details: dict[str, int] | None = None
 
 
-class CompletionLogProbs(OpenAIModel):
-    """The legacy completions shape: four parallel lists, one entry per token."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
 # A prompt position's candidates as vLLM sends them: {token id: {logprob, rank, decoded_token}}.
 PromptLogprobsOut = list[dict[int, dict[str, Any]] | None]
-
-
-class CompletionChoice(OpenAIModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    prompt_logprobs: PromptLogprobsOut | None = None
-    prompt_token_ids: list[int] | None = None
-
-
-class CompletionResponse(OpenAIModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    service_tier: str | None = None
-    system_fingerprint: str | None = None
-    usage: UsageInfo | None = None
-
-
-class CompletionStreamChoice(OpenAIModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
-
-
-class CompletionStreamResponse(OpenAIModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionStreamChoice]
-    usage: UsageInfo | None = None
-    # Only on a stream's last chunk, as in vLLM: one stamp, not one per token.
-    system_fingerprint: str | None = None
-
-
-class ChatLogProb(OpenAIModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatLogProbsContent(ChatLogProb):
-    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
-
-
-class ChatLogProbs(OpenAIModel):
-    content: list[ChatLogProbsContent] | None = None
-
-
-class ChatMessageOut(OpenAIModel):
-    """An answer message. The four OpenAI fields after ``content`` belong to
-    features this server has no part of (refusals, citations, audio, function
-    calls); they are there, ``null``, because clients read them."""
-
-    role: str = "assistant"
-    content: str | None = None
-    refusal: str | None = None
-    annotations: list[Any] | None = None
-    audio: dict[str, Any] | None = None
-    function_call: dict[str, Any] | None = None
-
-
-class ChatChoice(OpenAIModel):
-    index: int
-    message: ChatMessageOut
-    logprobs: ChatLogProbs | None = None
-    finish_reason: str | None = "stop"
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionResponse(OpenAIModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    service_tier: str | None = None
-    system_fingerprint: str | None = None
-    usage: UsageInfo
-    prompt_logprobs: PromptLogprobsOut | None = None
-    prompt_token_ids: list[int] | None = None
-
-
-class ChatDelta(OpenAIModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(OpenAIModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionChunk(OpenAIModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-    prompt_token_ids: list[int] | None = None
 
 
 class TokenizeRequest(RequestModel):

@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
-from nanoengine.entrypoints.openai.protocol import (
+from nanoengine.entrypoints.openai.protocol_chat import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
-from nanoengine.entrypoints.openai.protocol import (
+from nanoengine.entrypoints.openai.protocol_completion import (
     CompletionChoice,
     CompletionLogProbs,
     CompletionRequest,

@@ -1,0 +1,103 @@
+"""The ``/v1/completions`` request and response bodies.
+
+Chapter 8 (online serving). A completion request continues a prompt: a
+string, a list of strings, token ids, or a list of token-id lists (one engine
+request each). Its response carries OpenAI's legacy logprobs shape, four
+parallel lists; its stream chunks hold only the fields their maker set.
+
+vLLM 0.32 counterpart: ``vllm/entrypoints/openai/completion/protocol.py``
+(``CompletionRequest``, ``CompletionResponse``, ``CompletionStreamResponse``
+and their choices and logprobs).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import Field
+
+from nanoengine.entrypoints.openai.protocol import (
+    MAX_TOP_LOGPROBS,
+    OpenAIModel,
+    PromptLogprobsOut,
+    SamplingFields,
+    UsageInfo,
+)
+from nanoengine.sampling_params import SamplingParams
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: a text prompt (or token ids) to continue."""
+
+    # Optional to pydantic so that a missing prompt gets the same 400 as an empty one.
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    # OpenAI's default for completions; chat has none (the rest of the context).
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        kwargs = self._sampling_kwargs(max_tokens, self.logprobs)
+        if self.echo and kwargs["prompt_logprobs"] is None:
+            # Echoed prompt tokens need logprobs of their own (the first has none).
+            kwargs["prompt_logprobs"] = self.logprobs
+        return SamplingParams(**kwargs)
+
+
+class CompletionLogProbs(OpenAIModel):
+    """The legacy completions shape: four parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionStreamResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+    # Only on a stream's last chunk, as in vLLM: one stamp, not one per token.
+    system_fingerprint: str | None = None
