@@ -33,11 +33,15 @@ from nanoengine.sampling_params import SamplingParams
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: a conversation to answer."""
 
+    # Not min_length=1 for pydantic: an empty list is refused in conversation(), as vLLM refuses it.
     messages: list[ChatMessage]
+    # None: until the context is full (vLLM's default for chat; completions default to 16).
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    # Chat asks for logprobs with a flag and counts alternatives apart; completions use one number.
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # False leaves the assistant's turn unopened (the template's own argument).
     add_generation_prompt: bool = True
 
     @property
@@ -61,12 +65,17 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class ChatLogProb(OpenAIModel):
+    """One candidate token. ``bytes`` lets a client rebuild text that a token cuts in the
+    middle of a character (its ``token`` then shows the replacement character)."""
+
     token: str
     logprob: float
     bytes: list[int] | None = None
 
 
 class ChatLogProbsContent(ChatLogProb):
+    """A generated token, with the first ``top_logprobs`` candidates of its position."""
+
     top_logprobs: list[ChatLogProb] = Field(default_factory=list)
 
 
@@ -110,6 +119,8 @@ class ChatCompletionResponse(OpenAIModel):
 
 
 class ChatDelta(OpenAIModel):
+    """What a stream chunk adds to a message: the speaker once, then pieces of text."""
+
     role: str | None = None
     content: str | None = None
 
@@ -130,5 +141,7 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    # Only on a stream's last chunk, as in vLLM: one stamp, not one per token.
     system_fingerprint: str | None = None
+    # Only on the opening chunks (with return_token_ids): the rendered prompt's ids.
     prompt_token_ids: list[int] | None = None

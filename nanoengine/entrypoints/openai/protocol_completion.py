@@ -34,6 +34,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] | None = None
     # OpenAI's default for completions; chat has none (the rest of the context).
     max_tokens: int | None = Field(default=16, ge=1)
+    # How many alternatives per position besides the chosen token (so up to logprobs + 1 entries).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @property
@@ -54,13 +55,18 @@ class CompletionRequest(SamplingFields):
 class CompletionLogProbs(OpenAIModel):
     """The legacy completions shape: four parallel lists, one entry per token."""
 
+    # Where each token starts in the returned text (characters).
     text_offset: list[int] = Field(default_factory=list)
+    # None for an echoed prompt's first token: nothing precedes it to score it against.
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
+    # Keyed by the candidates' text, so two tokens that decode alike share one entry.
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
 class CompletionChoice(OpenAIModel):
+    """One choice of a whole answer; prompt i's n choices are numbered i*n .. i*n + n - 1."""
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None

@@ -72,6 +72,8 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, params: SamplingParams, prompt: RenderedPrompt
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        # One engine request carries all n choices: the output processor splits
+        # it into n samples and gathers them back (chapter 7).
         generator = self.engine.generate(prompt, params, request_id, priority=request.priority)
         if request.stream:
             return self.chat_completion_stream_generator(request, request_id, generator)
@@ -83,6 +85,7 @@ class OpenAIServingChat(OpenAIServing):
         """The whole answer as one response, once the request has finished."""
         (final,) = await last_outputs([generator])
         echoed = _echoed_text(request)
+        # "stop" stands in for a missing reason: OpenAI's default, kept by vLLM.
         choices = [
             ChatChoice(index=c.index, message=ChatMessageOut(content=echoed + c.text),
                        logprobs=self._logprobs_if_asked(request, c), finish_reason=c.finish_reason or "stop",
@@ -113,8 +116,8 @@ class OpenAIServingChat(OpenAIServing):
                 message.system_fingerprint = self.system_fingerprint  # the stream's last chunk
             return sse(message, exclude_unset=True)
 
-        tokens_sent = [0] * request.n
-        finished = [False] * request.n
+        tokens_sent = [0] * request.n  # per choice, for usage and to tell a first chunk
+        finished = [False] * request.n  # a choice's finish chunk goes out once
         prompt_tokens = 0
         prompt_ids: list[int] | None = None
         try:
@@ -132,6 +135,9 @@ class OpenAIServingChat(OpenAIServing):
                 for completion in output.outputs:
                     raise_if_error(output, completion)
                     i = completion.index
+                    # Nothing to show before the first token (a prefill step); after it, a chunk
+                    # goes out even with no text (held back for a stop string), so that its
+                    # tokens' logprobs are not lost.
                     if finished[i] or not (completion.text or completion.token_ids or tokens_sent[i]):
                         continue
                     tokens_sent[i] += len(completion.token_ids)

@@ -114,6 +114,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 for completion in output.outputs:
                     raise_if_error(output, completion)
                     i = prompt_index * request.n + completion.index
+                    # The prompt (echo) or its ids (return_token_ids) ride on a choice's first chunk only.
                     first = not prompt_sent[i]
                     prompt_sent[i] = prompt_sent[i] or request.echo or request.return_token_ids
                     if first and request.echo:
@@ -123,6 +124,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         if not (text or token_ids or tokens_sent[i]):
                             continue  # a prefill step with nothing to say yet
                     chunk_logprobs = self._logprobs_if_asked(request, token_ids, logprobs, next_text_offset[i])
+                    # The next chunk's offsets run on from this chunk's last token.
                     if chunk_logprobs is not None and chunk_logprobs.tokens:
                         next_text_offset[i] = chunk_logprobs.text_offset[-1] + len(chunk_logprobs.tokens[-1])
                     tokens_sent[i] += len(completion.token_ids)
