@@ -178,6 +178,47 @@ class ParallelConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding (chapter 9): who drafts, and how many tokens per step.
+
+    ``method="ngram"`` drafts from the request's own tokens (prompt lookup):
+    the longest suffix of ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens
+    that also occurs earlier, and what followed it there. ``"draft_model"``
+    drafts with a smaller ``model``. Unset lookup bounds follow vLLM: both
+    unset means 5 and 5, one set stands for both.
+
+    vLLM 0.32 counterpart: ``vllm/config/speculative.py`` (``SpeculativeConfig``).
+    """
+
+    method: Literal["ngram", "draft_model"] = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None  # the draft model, for method="draft_model"
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"method must be 'ngram' or 'draft_model', got {self.method!r}.")
+        count = self.num_speculative_tokens
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"num_speculative_tokens must be an int of at least 1, got {count!r}.")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method='draft_model' needs model: the draft model's name or folder.")
+        if self.method == "ngram":
+            self.prompt_lookup_min, self.prompt_lookup_max = _lookup_bounds(self.prompt_lookup_min,
+                                                                            self.prompt_lookup_max)
+
+
+def _lookup_bounds(low: int | None, high: int | None) -> tuple[int, int]:
+    """vLLM's rule for the n-gram bounds: one given stands for both; none given is 5 and 5."""
+    low, high = (low if low is not None else high), (high if high is not None else low)
+    low, high = (5 if low is None else low), (5 if high is None else high)
+    if not 1 <= low <= high:
+        raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}.")
+    return low, high
+
+
+@dataclass
 class DeviceConfig:
     device: str = "cpu"  # "cpu" or "cuda"
 
