@@ -208,6 +208,12 @@ class SpeculativeConfig:
             self.prompt_lookup_min, self.prompt_lookup_max = _lookup_bounds(self.prompt_lookup_min,
                                                                             self.prompt_lookup_max)
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs beyond the tokens it verifies: a draft model
+        writes the KV of its own guesses there; an n-gram search writes none."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
 
 def _lookup_bounds(low: int | None, high: int | None) -> tuple[int, int]:
     """vLLM's rule for the n-gram bounds: one given stands for both; none given is 5 and 5."""
@@ -234,3 +240,5 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer_config: KVTransferConfig | None = None
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    # Chapter 9: None = no speculative decoding.
+    speculative_config: SpeculativeConfig | None = None

@@ -184,3 +184,16 @@ class ModelRunnerOutput:
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+@dataclass
+class DraftTokenIds:
+    """Speculative decoding (chapter 9): the proposer's drafts after a step.
+
+    The engine core takes them from the worker after each step
+    (``EngineCore.post_step``) and hands them to the scheduler, which schedules
+    them with the next step. Parallel lists, one entry per request that drafted.
+    """
+
+    req_ids: list[str]
+    draft_token_ids: list[list[int]]

@@ -127,6 +127,10 @@ class Request:
         self.num_preemptions = 0
         # Prompt tokens whose KV a KV connector loaded instead (chapter 5).
         self.num_external_computed_tokens = 0
+        # Speculative decoding (chapter 9): the proposer's guesses for the next
+        # tokens, set after each step, scheduled (and cleared) by the next one.
+        # They are not part of ``all_token_ids`` until the target model keeps them.
+        self.spec_token_ids: list[int] = []
 
         # Hashes of every *full* block of this request's tokens, kept up to date
         # as tokens arrive so the prefix cache can look them up in O(1).
@@ -161,6 +165,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Known tokens plus the drafts waiting to be verified (vLLM's name)."""
+        return len(self._all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

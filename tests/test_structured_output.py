@@ -20,7 +20,7 @@ from nanoengine import LLM
 from nanoengine.core.sched.output import GrammarOutput
 from nanoengine.request import RequestStatus
 from nanoengine.sampling_params import SamplingParams, StructuredOutputsParams
-from nanoengine.worker.model_runner import apply_grammar_bitmask
+from nanoengine.structured_output.utils import apply_grammar_bitmask
 
 S = RequestStatus
 

@@ -16,7 +16,6 @@ from nanoengine.kv_cache_interface import FullAttentionSpec
 from nanoengine.renderers.hf import TokensPrompt
 from nanoengine.request import Request
 
-
 # How long one check may run before the grader calls it a hang and moves on
 # (chapters/grade.py). A unit check calls the student's function on small
 # inputs: well under a second. An end-to-end check (its name says so) builds a

@@ -112,6 +112,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         delay_cache_blocks: bool = False,
+        num_lookahead_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens of ``request``.
 
@@ -126,6 +127,9 @@ class KVCacheManager:
         preempt a request (or to stop admitting new ones). On success, returns
         just the newly allocated blocks (the worker appends them to its table).
 
+        ``num_lookahead_tokens`` adds slots beyond the third run, for a draft
+        model's own guesses (chapter 9); they are never cached.
+
         ``delay_cache_blocks`` keeps the new blocks out of the prefix cache: a KV
         connector is still loading their contents (chapter 5), and another
         request must not hit them before the load completes.
@@ -137,7 +141,7 @@ class KVCacheManager:
         hit_blocks = new_computed_blocks.blocks
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         # A request never needs KV beyond max_model_len positions.
-        num_tokens_need_slot = min(num_computed_tokens + num_new_tokens, self.max_model_len)
+        num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
 
         # 1. Check, before touching anything, that the pool can cover it all.
         num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
@@ -156,7 +160,9 @@ class KVCacheManager:
         #    later in this same step may already hit them. That is safe because
         #    the model runner writes each layer's new K/V for the whole batch
         #    before that layer's attention reads the cache (as vLLM's backends
-        #    do). Only tokens that exist can be hashed, hence the min.
+        #    do). Only tokens that exist can be hashed, hence the min: drafts
+        #    (chapter 9) are not in ``request.num_tokens``, so a block holding a
+        #    draft is never cached, and a rejected one never reaches the cache.
         if self.enable_caching and not delay_cache_blocks:
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             self.coordinator.cache_blocks(request, num_tokens_to_cache)

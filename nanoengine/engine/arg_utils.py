@@ -9,6 +9,7 @@ shape and its longest context. vLLM 0.32 counterpart: ``vllm/engine/arg_utils.py
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import types
@@ -25,6 +26,7 @@ from nanoengine.config import (
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from nanoengine.distributed.utils import check_tensor_parallel_size
 from nanoengine.executor.abstract import EXECUTOR_CLASSES, Executor
@@ -95,6 +97,10 @@ class EngineArgs:
     # (NANOENGINE_ENABLE_MULTIPROCESSING=1 too; vLLM's switch is
     # VLLM_ENABLE_V1_MULTIPROCESSING, on by default there, off here).
     multiprocess_mode: bool = False
+    # Chapter 9: speculative decoding, as vLLM spells it: a dict such as
+    # {"method": "ngram", "num_speculative_tokens": 3} (or a SpeculativeConfig);
+    # on the command line, --speculative-config with the dict as JSON.
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = None
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -115,6 +121,8 @@ class EngineArgs:
             else:
                 group.add_argument(flag, type=kind, choices=choices, nargs="+" if is_list else None,
                                    default=None if is_list else field.default)
+        group.add_argument("--speculative-config", type=json.loads, default=None,
+                           help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -183,6 +191,7 @@ class EngineArgs:
                 trace=self.trace or _env_flag("NANOENGINE_TRACE"),
                 check_invariants=self.check_invariants or _env_flag("NANOENGINE_CHECK_INVARIANTS"),
             ),
+            speculative_config=self._speculative_config(model_config),
         )
         # An executor that cannot be imported ("ray" without Ray) fails here,
         # before any process starts.
@@ -286,6 +295,38 @@ class EngineArgs:
             )
 
 
+    def _speculative_config(self, model_config: ModelConfig) -> SpeculativeConfig | None:
+        """The ``speculative_config`` argument checked, as a SpeculativeConfig (chapter 9).
+
+        Refused, each with the reason: async scheduling (the next step would be
+        scheduled before this step's drafts exist; vLLM keeps them in the
+        worker, nanoengine does not) and a hybrid model (a Gated DeltaNet
+        layer's state has no per-token history to roll back over rejected drafts).
+        """
+        value = self.speculative_config
+        if value is None:
+            return None
+        config = value if isinstance(value, SpeculativeConfig) else _speculative_config_from_dict(value)
+        if self.async_scheduling:
+            raise ValueError("speculative_config does not work with async_scheduling=True in nanoengine: "
+                             "the drafts of one step are scheduled with the next.")
+        if model_config.is_hybrid:
+            raise ValueError(f"speculative_config is not supported for the hybrid model {model_config.model}: "
+                             "its linear-attention state cannot be rolled back over rejected drafts.")
+        return config
+
+
+def _speculative_config_from_dict(value: Any) -> SpeculativeConfig:
+    """vLLM's dict form; an unknown key is an error naming the accepted ones."""
+    if not isinstance(value, dict):
+        raise TypeError(f"speculative_config must be a dict (JSON object), got {value!r}.")
+    known = {f.name for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"speculative_config has unknown key(s) {unknown}; accepted: {sorted(known)}.")
+    return SpeculativeConfig(**value)
+
+
 def _parallel_device_count(device: str) -> tuple[int, str]:
     """How many ranks this machine can give one each: (count, what they are, in words).
 
@@ -299,9 +340,10 @@ def _parallel_device_count(device: str) -> tuple[int, str]:
     return usable_cpu_count(), "CPU cores (one per rank)"
 
 
-# Fields the command line does not set: the model is positional, a KV connector
-# is configured in Python (chapter 5).
-_NOT_ON_THE_COMMAND_LINE = ("model", "kv_transfer_config")
+# Fields the command line does not set field by field: the model is positional,
+# a KV connector is configured in Python (chapter 5), and --speculative-config
+# takes JSON (added by hand in add_cli_args).
+_NOT_ON_THE_COMMAND_LINE = ("model", "kv_transfer_config", "speculative_config")
 
 
 def _cli_type(annotation: Any) -> tuple[type, list[str] | None, bool]:

@@ -78,7 +78,9 @@ class EngineCore:
             self.kv_cache_config,
             kv_transfer_config=engine_config.kv_transfer_config,
             structured_output_manager=self.structured_output_manager,
+            speculative_config=engine_config.speculative_config,
         )
+        self.use_spec_decode = engine_config.speculative_config is not None
         # Async scheduling keeps up to two steps in flight: the one whose
         # tokens the scheduler waits for, and the next one, already launched.
         self.batch_queue_size = 2 if async_scheduling else 1
@@ -243,6 +245,19 @@ class EngineCore:
         oldest = self.batch_queue.pop()
         outputs = self.scheduler.update_from_output(oldest.scheduler_output, oldest.result())
         return outputs, model_executed
+
+    def post_step(self, model_executed: bool) -> None:
+        """After a step: hand the proposer's drafts to the scheduler (chapter 9).
+
+        The worker drafted right after sampling, from the tokens it just
+        appended; the scheduler books the drafts into the next step, where the
+        target model verifies them. (vLLM skips this under async scheduling,
+        where the worker keeps its drafts; nanoengine refuses that combination.)
+        """
+        if self.use_spec_decode and model_executed:
+            draft_token_ids = self.model_executor.take_draft_token_ids()
+            if draft_token_ids is not None:
+                self.scheduler.update_draft_token_ids(draft_token_ids)
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()

@@ -100,7 +100,8 @@ class InprocClient(EngineCoreClient):
         self.engine_core.add_request(request)
 
     def get_output(self) -> EngineCoreOutputs:
-        outputs, _ = self.engine_core.step_fn()
+        outputs, model_executed = self.engine_core.step_fn()
+        self.engine_core.post_step(model_executed)
         return outputs
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

@@ -155,6 +155,7 @@ class EngineCoreProc(EngineCore):
 
     def _process_engine_step(self) -> None:
         outputs, model_executed = self.step_fn()
+        self.post_step(model_executed)
         if outputs.outputs:
             self.output_queue.put_nowait(outputs)
         if not model_executed and self.scheduler.has_requests():

@@ -33,7 +33,7 @@ from typing import Any, Literal, overload
 from nanoengine.config import EngineConfig
 from nanoengine.core.sched.output import GrammarOutput, SchedulerOutput
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from nanoengine.outputs import ModelRunnerOutput
+from nanoengine.outputs import DraftTokenIds, ModelRunnerOutput
 from nanoengine.worker.worker import MemoryProfile, Worker
 
 # distributed_executor_backend -> (module, class), imported only when chosen: an
@@ -192,3 +192,11 @@ class Executor(ABC):
         return self.collective_rpc(  # type: ignore[no-any-return]
             "sample_tokens", args=(grammar_output,), non_block=non_block, unique_reply_rank=OUTPUT_RANK
         )
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts the last ``sample_tokens`` proposed (chapter 9), from rank 0.
+
+        Every rank drafts the same tokens from the same inputs; one answer is enough.
+        """
+        drafts: DraftTokenIds | None = self.collective_rpc("take_draft_token_ids", unique_reply_rank=OUTPUT_RANK)
+        return drafts

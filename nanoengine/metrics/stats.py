@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nanoengine.engine import EngineCoreEventType, EngineCoreOutput, FinishReason
+from nanoengine.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:  # annotations only: outputs.py is the front end's module
     from nanoengine.outputs import RequestMetrics
@@ -60,6 +61,8 @@ class SchedulerStats:
     prefix_cache_queries: int  # cumulative, in tokens
     prefix_cache_hits: int  # cumulative, in tokens
     num_preemptions: int  # cumulative
+    # Speculative decoding (chapter 9), cumulative; None when it is off.
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 @dataclass

@@ -29,7 +29,10 @@ An n-gram proposer draws nothing at random: its ``q_j`` puts all mass on
 ``p_j(x_j)`` and the recovered distribution is ``p_j`` without ``x_j``.
 
 Plain torch, one request at a time: the rule is the lesson here, and a step
-holds few requests on a CPU.
+holds few requests on a CPU. ``RejectionSampler`` is the batch's entry point:
+it turns the target's logits into the distributions the sampler would draw
+from (the same options, penalties and temperature as ``Sampler``), verifies
+each request, and gathers the logprobs of the tokens it emits.
 
 vLLM 0.32 counterpart: ``RejectionSampler`` in ``vllm/v1/sample/rejection_sampler.py``
 (``forward``, ``rejection_sample``; Triton kernels for the greedy, the
@@ -40,8 +43,65 @@ accept/reject and the recovered-token passes), after Leviathan et al. 2023
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+from nanoengine.outputs import LogprobsTensors
+from nanoengine.sample.metadata import SamplingMetadata
+from nanoengine.sample.sampler import Sampler, compute_logprobs, gather_logprobs
+
+
+@dataclass
+class RejectionSamplerOutput:
+    """Per request, the tokens emitted (kept drafts, then one of the target's own)."""
+
+    emitted_token_ids: list[list[int]]
+    # One row per scored position, as the logits came in; the emitted tokens'
+    # logprobs are in each request's first len(emitted) rows. None: none asked.
+    logprobs_tensors: LogprobsTensors | None
+
+
+class RejectionSampler:
+    """Verifies a batch's drafts against the target model's logits."""
+
+    def __call__(
+        self,
+        draft_token_ids: Sequence[Sequence[int]],
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        generators: Sequence[torch.Generator | None],
+    ) -> RejectionSamplerOutput:
+        """draft_token_ids: request i's k_i drafts; logits: float [sum(k_i + 1), V].
+
+        ``metadata`` has one row per logits row (each position of a request
+        sees the drafts before it, for penalties and ``min_tokens``);
+        ``generators``: each request's random stream.
+        """
+        # Logprobs describe the model, before any option (as in ``Sampler``).
+        raw_logprobs = None if metadata.max_num_logprobs is None else compute_logprobs(logits)
+        logits = Sampler.apply_logits_processors(logits, metadata)
+        # Greedy rows are verified on the processed logits directly: the same
+        # argmax the plain sampler takes, so the text cannot change.
+        probs = logits if metadata.all_greedy else Sampler.compute_probs(logits, metadata)
+        is_greedy = metadata.greedy_mask.tolist()
+        emitted: list[list[int]] = []
+        row = 0
+        for drafts, generator in zip(draft_token_ids, generators):
+            rows = slice(row, row + len(drafts) + 1)
+            target = logits[rows] if is_greedy[row] else probs[rows]
+            emitted.extend(rejection_sample([drafts], target, [is_greedy[row]], None, generator))
+            row += len(drafts) + 1
+        if raw_logprobs is None or metadata.max_num_logprobs is None:
+            return RejectionSamplerOutput(emitted, None)
+        # Score the emitted token at each of a request's first rows; rows past
+        # them are never read, so their argmax is as good a filler as any.
+        chosen = raw_logprobs.argmax(dim=-1)
+        row = 0
+        for drafts, tokens in zip(draft_token_ids, emitted):
+            chosen[row : row + len(tokens)] = torch.tensor(tokens)
+            row += len(drafts) + 1
+        return RejectionSamplerOutput(emitted, gather_logprobs(raw_logprobs, metadata.max_num_logprobs, chosen))
 
 
 def rejection_sample(

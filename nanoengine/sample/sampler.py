@@ -247,12 +247,22 @@ class Sampler(nn.Module):
             logits = apply_penalties(logits, metadata.penalties)
         return logits
 
-    @staticmethod
-    def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    @classmethod
+    def sample(cls, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax; the others draw from their filtered distribution."""
         greedy = greedy_sample(logits)
         if metadata.all_greedy:
             return greedy
+        probs = cls.compute_probs(logits, metadata)
+        sampled = random_sample(probs, metadata.generators, metadata.default_generator)
+        return torch.where(metadata.greedy_mask.to(logits.device), greedy, sampled)
+
+    @staticmethod
+    def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution each row draws from, [N, V] float32: temperature, min_p,
+        top-k, top-p, softmax. The rejection sampler (chapter 9) verifies drafts
+        against the same distribution.
+        """
         device = logits.device
         temperature = metadata.temperature.to(device=device, dtype=logits.dtype)
         # Greedy rows carry temperature 1.0, so this division is harmless for them.
@@ -264,6 +274,4 @@ class Sampler(nn.Module):
             None if metadata.no_top_k else metadata.top_k.to(device),
             None if metadata.no_top_p else metadata.top_p.to(device=device, dtype=logits.dtype),
         )
-        probs = filtered.softmax(dim=-1, dtype=torch.float32)
-        sampled = random_sample(probs, metadata.generators, metadata.default_generator)
-        return torch.where(metadata.greedy_mask.to(device), greedy, sampled)
+        return filtered.softmax(dim=-1, dtype=torch.float32)

@@ -18,6 +18,8 @@ import torch
 
 from nanoengine.attention.backends.abstract import AttentionMetadata
 from nanoengine.logprobs import LogprobsLists
+from nanoengine.sample.metadata import SamplingMetadata
+from nanoengine.sample.penalties import PenaltyInputs, pad_token_ids
 from nanoengine.sampling_params import SamplingParams
 
 
@@ -66,8 +68,9 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: AttentionMetadata
     # Rows of the hidden states whose logits are needed: the last scheduled token
-    # of each request that reaches the end of its known tokens this step.
-    logits_indices: torch.Tensor  # [num_sampling_reqs] int64
+    # of each request that reaches the end of its known tokens this step, and
+    # (chapter 9) the position before each of its drafts: k + 1 rows for k drafts.
+    logits_indices: torch.Tensor  # [num_sampling_reqs + num_drafts] int64
     sampling_req_ids: list[str] = field(default_factory=list)
 
 
@@ -142,11 +145,15 @@ def prepare_inputs(
     block_size: int,
     device: torch.device,
     groups: LayerGroups,
+    spec_token_ids: list[list[int]] | None = None,
 ) -> StepInputs:
     """Flatten one step: for request i, tokens ``[computed_i, computed_i + n_i)``.
 
     ``states`` and ``num_scheduled`` are parallel and already in batch order;
     ``num_computed_tokens`` is read *before* this step's tokens are counted.
+    ``spec_token_ids`` (chapter 9, parallel too) are drafts scheduled after a
+    request's known tokens: they are inputs like any other token, and each
+    needs the logits of the position before it, to be verified.
     The block table and slot mapping come from the full-attention group
     ``groups.attention``; a hybrid model's state layers get their slots from
     ``groups.states``.
@@ -160,17 +167,20 @@ def prepare_inputs(
     sampling_req_ids: list[str] = []
     # Requests arrive decodes first, so the decodes are the leading run of 1s.
     num_decodes = next((i for i, n in enumerate(num_scheduled) if n != 1), len(num_scheduled))
-    for row, (state, n) in enumerate(zip(states, num_scheduled)):
+    drafts_per_row = spec_token_ids if spec_token_ids is not None else [[] for _ in states]
+    for row, (state, n, drafts) in enumerate(zip(states, num_scheduled, drafts_per_row)):
         start = state.num_computed_tokens
-        input_ids.extend(state.token_ids[start : start + n])
+        tokens = state.token_ids + drafts if drafts else state.token_ids
+        input_ids.extend(tokens[start : start + n])
         positions.extend(range(start, start + n))
         req_indices.extend([row] * n)
         seq_lens.append(start + n)
         query_start_loc.append(query_start_loc[-1] + n)
         # A chunk that stops short of the known tokens is a partial prefill:
         # its logits would predict a token we already have, so none are taken.
-        if start + n == len(state.token_ids):
-            logits_indices.append(query_start_loc[-1] - 1)
+        if start + n == len(tokens):
+            last = query_start_loc[-1] - 1
+            logits_indices.extend(range(last - len(drafts), last + 1))
             sampling_req_ids.append(state.req_id)
 
     block_table = build_block_table(states, groups.attention)
@@ -197,4 +207,62 @@ def prepare_inputs(
         attn_metadata=attn_metadata,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
         sampling_req_ids=sampling_req_ids,
+    )
+
+
+def make_sampling_metadata(
+    states: list[CachedRequestState], vocab: int, default_generator: torch.Generator | None
+) -> SamplingMetadata:
+    """Gather per-request options into per-row tensors for the sampler: row i is ``states[i]``.
+
+    A request verifying drafts (chapter 9) has one row per scored position:
+    the model runner passes copies of its state extended by the drafts before
+    each position, so penalties and ``min_tokens`` see the tokens that would
+    precede it. (vLLM's ``InputBatch._make_sampling_metadata``.)
+    """
+    params = [s.sampling_params for s in states]
+    greedy = [p.greedy for p in params]
+    return SamplingMetadata(
+        temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+        top_p=torch.tensor([p.top_p for p in params]),
+        top_k=torch.tensor([vocab if p.top_k < 1 else p.top_k for p in params]),
+        greedy_mask=torch.tensor(greedy, dtype=torch.bool),
+        all_greedy=all(greedy),
+        no_top_p=all(p.top_p >= 1.0 for p in params),
+        no_top_k=all(p.top_k < 1 for p in params),
+        generators={row: s.generator for row, s in enumerate(states) if s.generator is not None},
+        # min_tokens: the stop ids (EOS included) are forbidden until enough
+        # tokens exist, so the request cannot end too early.
+        banned_token_ids={
+            row: sorted(s.sampling_params.all_stop_token_ids)
+            for row, s in enumerate(states)
+            if s.num_output_tokens < s.sampling_params.min_tokens and s.sampling_params.all_stop_token_ids
+        },
+        default_generator=default_generator,
+        logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias},
+        penalties=_penalty_inputs(states, vocab),
+        min_p=torch.tensor([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None,
+        max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+    )
+
+
+def _penalty_inputs(states: list[CachedRequestState], vocab_size: int) -> PenaltyInputs | None:
+    """The penalties' per-row inputs, or None when every row's penalties are neutral."""
+    params = [s.sampling_params for s in states]
+    if all(_has_neutral_penalties(p) for p in params):
+        return None
+    return PenaltyInputs(
+        prompt_token_ids=pad_token_ids([s.prompt_token_ids for s in states], pad_id=vocab_size),
+        output_token_ids=pad_token_ids([s.output_token_ids for s in states], pad_id=vocab_size),
+        presence_penalties=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
+        frequency_penalties=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
+        repetition_penalties=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+    )
+
+
+def _has_neutral_penalties(params: SamplingParams) -> bool:
+    return (
+        params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
     )

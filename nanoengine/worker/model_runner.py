@@ -18,7 +18,7 @@ bitmask (structured output), which it computes while the forward pass runs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import numpy as np
@@ -39,14 +39,16 @@ from nanoengine.model_executor.layers.mamba.gdn import bind_mamba_state
 from nanoengine.model_executor.models.registry import CausalLM
 from nanoengine.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    DraftTokenIds,
     KVConnectorOutput,
     LogprobsTensors,
     ModelRunnerOutput,
 )
-from nanoengine.sample.metadata import SamplingMetadata
-from nanoengine.sample.penalties import PenaltyInputs, pad_token_ids
+from nanoengine.sample.rejection_sampler import RejectionSampler
 from nanoengine.sample.sampler import Sampler
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.spec_decode.ngram_proposer import NgramProposer
+from nanoengine.structured_output.utils import apply_grammar_bitmask
 from nanoengine.utils.math_utils import cdiv
 from nanoengine.worker.cudagraph_dispatcher import (
     CudagraphDispatcher,
@@ -58,6 +60,7 @@ from nanoengine.worker.input_batch import (
     CachedRequestState,
     LayerGroups,
     StepInputs,
+    make_sampling_metadata,
     order_decodes_first,
     prepare_inputs,
 )
@@ -88,11 +91,22 @@ class _PendingSample:
 
     req_ids: list[str]  # every scheduled request, batch order
     sampling_req_ids: list[str]  # those that sample this step, logits row order
-    logits: torch.Tensor  # [num_sampling_reqs, vocab_size] fp32
+    # [num_sampling_reqs + num_drafts, vocab_size] fp32: k + 1 rows for a
+    # request with k drafts (chapter 9), one for the others.
+    logits: torch.Tensor
     # prompt_logprobs (chapter 8): the prompt positions scored this step, if any,
     # and their logits [num_targets, vocab_size].
     prompt_targets: PromptLogprobTargets | None = None
     prompt_logits: torch.Tensor | None = None
+    # Chapter 9: the drafts each sampling request verifies (parallel to
+    # sampling_req_ids); empty lists, or none at all, without speculation.
+    spec_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def logits_req_ids(self) -> list[str]:
+        """The request of every logits row."""
+        drafts = self.spec_token_ids or [[] for _ in self.sampling_req_ids]
+        return [rid for rid, d in zip(self.sampling_req_ids, drafts) for _ in range(len(d) + 1)]
 
 
 class ModelRunner:
@@ -107,6 +121,12 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
+        # Speculative decoding (chapter 9): who drafts, and the drafts of the
+        # last step until the engine core takes them (take_draft_token_ids).
+        spec = engine_config.speculative_config
+        self.drafter = NgramProposer(spec, engine_config.scheduler_config.max_model_len) if spec else None
+        self.rejection_sampler = RejectionSampler()
+        self._draft_token_ids: DraftTokenIds | None = None
         # Requests without a seed share this stream; seeded ones get their own.
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(self.model_config.seed)
@@ -331,12 +351,19 @@ class ModelRunner:
         req_ids = order_decodes_first(scheduler_output.num_scheduled_tokens)
         states = [self.requests[rid] for rid in req_ids]
         num_scheduled = [scheduler_output.num_scheduled_tokens[rid] for rid in req_ids]
-        inputs = prepare_inputs(states, num_scheduled, self.block_size, self.device, self.layer_groups)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        drafts = [spec.get(rid, []) for rid in req_ids] if spec else None
+        inputs = prepare_inputs(states, num_scheduled, self.block_size, self.device, self.layer_groups, drafts)
         targets = find_prompt_logprob_targets(states, num_scheduled, inputs.attn_metadata.query_start_loc_cpu)
         logits = self._forward(inputs, None if targets is None else targets.hidden_rows)
-        num_sampling = len(inputs.sampling_req_ids)
+        num_rows = len(inputs.logits_indices)
         self._pending = _PendingSample(
-            req_ids, inputs.sampling_req_ids, logits[:num_sampling], targets, logits[num_sampling:]
+            req_ids,
+            inputs.sampling_req_ids,
+            logits[:num_rows],
+            targets,
+            logits[num_rows:],
+            [spec.get(rid, []) for rid in inputs.sampling_req_ids] if spec else [],
         )
         if self.kv_connector is not None and metadata:
             self.kv_connector.save_kv(metadata, self.kv_caches)  # the forward pass just wrote them
@@ -368,7 +395,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        """Sample one token for each request whose prompt is fully computed."""
+        """Sample a token for each request whose prompt is fully computed.
+
+        With drafts to verify (chapter 9) the rejection sampler decides instead,
+        and a request may emit several tokens; the proposer then drafts anew.
+        """
         pending = self._pending
         if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -376,54 +407,72 @@ class ModelRunner:
         states = [self.requests[rid] for rid in pending.sampling_req_ids]
         logits = pending.logits
         if grammar_output is not None:
-            logits = apply_grammar_bitmask(logits, pending.sampling_req_ids, grammar_output)
+            logits = apply_grammar_bitmask(logits, pending.logits_req_ids, grammar_output)
         if pending.prompt_targets is not None and pending.prompt_logits is not None:
             collect_prompt_logprobs(self.requests, pending.prompt_targets, pending.prompt_logits)
-        sampler_output = self.sampler(logits, self._sampling_metadata(states))
-        by_req: dict[str, list[int]] = {}
-        for state, token in zip(states, sampler_output.sampled_token_ids.tolist()):
-            state.token_ids.append(token)
-            by_req[state.req_id] = [token]
+        if any(pending.spec_token_ids):
+            emitted, logprobs = self._verify_drafts(states, pending.spec_token_ids, logits)
+        else:
+            metadata = make_sampling_metadata(states, self.model_config.vocab_size, self.default_generator)
+            sampler_output = self.sampler(logits, metadata)
+            emitted = [[token] for token in sampler_output.sampled_token_ids.tolist()]
+            logprobs = _logprobs_by_request(states, sampler_output.logprobs_tensors, list(range(len(states))))
+        for state, tokens in zip(states, emitted):
+            state.token_ids.extend(tokens)
+        if self.drafter is not None:
+            self._draft_token_ids = self.propose_draft_token_ids(states)
+        by_req = {state.req_id: tokens for state, tokens in zip(states, emitted)}
         return ModelRunnerOutput(
             req_ids=pending.req_ids,
             sampled_token_ids=[by_req.get(rid, []) for rid in pending.req_ids],
             kv_connector_output=self._kv_connector_output(),
-            logprobs=_logprobs_by_request(states, sampler_output.logprobs_tensors),
+            logprobs=logprobs,
             prompt_logprobs_dict=take_finished_prompt_logprobs(states),
         )
+
+    def _verify_drafts(
+        self, states: list[CachedRequestState], drafts: list[list[int]], logits: torch.Tensor
+    ) -> tuple[list[list[int]], dict[str, LogprobsLists]]:
+        """Chapter 9: keep the drafts the target agrees with, and one token of its own.
+
+        logits: [sum(k_i + 1), V]. Row j of request i is scored as if the
+        request already held its first j drafts (a copy of its state with
+        them appended), so penalties and ``min_tokens`` judge each position
+        as plain decoding would. The worker's count of computed tokens moves
+        back over the rejected drafts, as the scheduler's does.
+        """
+        row_states = [
+            replace(state, token_ids=state.token_ids + request_drafts[:j])
+            for state, request_drafts in zip(states, drafts)
+            for j in range(len(request_drafts) + 1)
+        ]
+        metadata = make_sampling_metadata(row_states, self.model_config.vocab_size, self.default_generator)
+        generators = [state.generator or self.default_generator for state in states]
+        output = self.rejection_sampler(drafts, logits, metadata, generators)
+        first_rows: list[int] = []
+        row = 0
+        for state, request_drafts, tokens in zip(states, drafts, output.emitted_token_ids):
+            state.num_computed_tokens -= len(request_drafts) + 1 - len(tokens)
+            first_rows.append(row)
+            row += len(request_drafts) + 1
+        counts = [len(tokens) for tokens in output.emitted_token_ids]
+        return output.emitted_token_ids, _logprobs_by_request(states, output.logprobs_tensors, first_rows, counts)
+
+    def propose_draft_token_ids(self, states: list[CachedRequestState]) -> DraftTokenIds:
+        """Chapter 9: the drafts for each request that just sampled, from its tokens so far."""
+        assert self.drafter is not None
+        drafts = self.drafter.propose([state.token_ids for state in states])
+        return DraftTokenIds([state.req_id for state in states], drafts)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """Hand over the last step's drafts once (vLLM's ``take_draft_token_ids``)."""
+        drafts, self._draft_token_ids = self._draft_token_ids, None
+        return drafts
 
     def _kv_connector_output(self) -> KVConnectorOutput | None:
         if self.kv_connector is None:
             return None
         return KVConnectorOutput(finished_recving=self.kv_connector.get_finished())
-
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        """Gather per-request options into per-row tensors for the sampler."""
-        params = [s.sampling_params for s in states]
-        vocab = self.model_config.vocab_size
-        greedy = [p.greedy for p in params]
-        return SamplingMetadata(
-            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-            top_p=torch.tensor([p.top_p for p in params]),
-            top_k=torch.tensor([vocab if p.top_k < 1 else p.top_k for p in params]),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool),
-            all_greedy=all(greedy),
-            no_top_p=all(p.top_p >= 1.0 for p in params),
-            no_top_k=all(p.top_k < 1 for p in params),
-            generators={row: s.generator for row, s in enumerate(states) if s.generator is not None},
-            # min_tokens: the stop ids (EOS included) are forbidden until enough
-            # tokens exist, so the request cannot end too early.
-            banned_token_ids={
-                row: sorted(s.sampling_params.all_stop_token_ids)
-                for row, s in enumerate(states)
-                if s.num_output_tokens < s.sampling_params.min_tokens and s.sampling_params.all_stop_token_ids
-            },
-            default_generator=self.default_generator,
-            logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias},
-            penalties=_penalty_inputs(states, vocab),
-            min_p=torch.tensor([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None,
-            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-        )
 
     def get_model(self) -> nn.Module:
         """The loaded model (vLLM's ``GPUModelRunner.get_model``)."""
@@ -437,60 +486,20 @@ class ModelRunner:
         return cast(CausalLM, self.get_model())
 
 
-def _penalty_inputs(states: list[CachedRequestState], vocab_size: int) -> PenaltyInputs | None:
-    """The penalties' per-row inputs, or None when every row's penalties are neutral."""
-    params = [s.sampling_params for s in states]
-    if all(_has_neutral_penalties(p) for p in params):
-        return None
-    return PenaltyInputs(
-        prompt_token_ids=pad_token_ids([s.prompt_token_ids for s in states], pad_id=vocab_size),
-        output_token_ids=pad_token_ids([s.output_token_ids for s in states], pad_id=vocab_size),
-        presence_penalties=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
-        frequency_penalties=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
-        repetition_penalties=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
-    )
-
-
-def _has_neutral_penalties(params: SamplingParams) -> bool:
-    return (
-        params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and params.repetition_penalty == 1.0
-    )
-
-
 def _logprobs_by_request(
-    states: list[CachedRequestState], tensors: LogprobsTensors | None
+    states: list[CachedRequestState],
+    tensors: LogprobsTensors | None,
+    first_rows: list[int],
+    num_rows: list[int] | None = None,
 ) -> dict[str, LogprobsLists]:
-    """Row i of ``tensors`` belongs to ``states[i]``; each request keeps the top it asked for."""
+    """``states[i]``'s tokens are scored in rows ``first_rows[i]`` onwards, one row
+    per emitted token (``num_rows[i]``, default 1); each request keeps the top it asked for.
+    """
     if tensors is None:
         return {}
+    counts = num_rows or [1] * len(states)
     return {
-        state.req_id: tensors.tolists(row, row + 1, state.sampling_params.logprobs)
-        for row, state in enumerate(states)
+        state.req_id: tensors.tolists(first, first + count, state.sampling_params.logprobs)
+        for state, first, count in zip(states, first_rows, counts)
         if state.sampling_params.logprobs is not None
     }
-
-
-def apply_grammar_bitmask(
-    logits: torch.Tensor, row_req_ids: list[str], grammar_output: GrammarOutput
-) -> torch.Tensor:
-    """Forbid tokens a request's grammar does not allow at this point.
-
-    ``grammar_output.bitmask`` is packed as xgrammar (and vLLM) pack it: int32
-    [num_structured_reqs, ceil(vocab / 32)], bit ``j`` of word ``w`` set when
-    token ``32 * w + j`` is allowed; one row per id in
-    ``structured_output_request_ids``. Unpacking in plain torch keeps the
-    worker free of the grammar library.
-    """
-    packed = torch.as_tensor(grammar_output.bitmask, dtype=torch.int32, device=logits.device)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    # [rows, words, 32] -> [rows, words * 32]; "& 1" also undoes the sign
-    # extension of the arithmetic shift on negative words.
-    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
-    row_of = {rid: row for row, rid in enumerate(row_req_ids)}
-    for mask_row, req_id in enumerate(grammar_output.structured_output_request_ids):
-        row = row_of.get(req_id)
-        if row is not None:
-            logits[row, : allowed.shape[1]].masked_fill_(~allowed[mask_row], float("-inf"))
-    return logits

@@ -29,7 +29,7 @@ from nanoengine.distributed.parallel_state import (
     initialize_model_parallel,
 )
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from nanoengine.outputs import ModelRunnerOutput
+from nanoengine.outputs import DraftTokenIds, ModelRunnerOutput
 from nanoengine.utils.system_utils import usable_cpu_count
 from nanoengine.worker.memory_probe import PeakMemoryProbe
 from nanoengine.worker.model_runner import ModelRunner
@@ -223,6 +223,9 @@ class Worker:
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return self._runner().sample_tokens(grammar_output)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        return self._runner().take_draft_token_ids()
 
     def _runner(self) -> ModelRunner:
         if self.model_runner is None:

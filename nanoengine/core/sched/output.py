@@ -75,6 +75,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # KV blocks the worker's connector loads or saves this step (chapter 5).
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # Speculative decoding (chapter 9): req_id -> the drafts scheduled after its
+    # last known token. They are counted in num_scheduled_tokens (1 + drafts).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

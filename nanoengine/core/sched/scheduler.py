@@ -50,7 +50,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from nanoengine.config import CacheConfig, KVTransferConfig, SchedulerConfig
+from nanoengine.config import CacheConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
 from nanoengine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from nanoengine.core.sched.output import GrammarOutput, SchedulerOutput
 from nanoengine.core.sched.request_queue import SchedulingPolicy, create_request_queue
@@ -67,8 +67,9 @@ from nanoengine.distributed.kv_transfer.scheduler_side import SharedStorageConne
 from nanoengine.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.metrics.stats import SchedulerStats
-from nanoengine.outputs import ModelRunnerOutput
+from nanoengine.outputs import DraftTokenIds, ModelRunnerOutput
 from nanoengine.request import Request, RequestStatus
+from nanoengine.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:  # the manager imports torch; the scheduler only calls it
     from nanoengine.structured_output import StructuredOutputManager
@@ -84,6 +85,7 @@ class Scheduler:
         kv_cache_config: KVCacheConfig,
         kv_transfer_config: KVTransferConfig | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         validate_scheduler_configs(scheduler_config, cache_config, kv_cache_config)
         self.scheduler_config = scheduler_config
@@ -117,6 +119,13 @@ class Scheduler:
         transfer = kv_transfer_config
         self.connector = SharedStorageConnectorScheduler(transfer, self.block_size) if transfer else None
         self.finished_recving_kv_req_ids: set[str] = set()
+        # Speculative decoding (chapter 9): at most num_spec_tokens drafts per
+        # request and step; a draft model also needs slots for its own guesses
+        # beyond the verified tokens (num_lookahead_tokens, 0 for n-gram).
+        spec = speculative_config
+        self.num_spec_tokens = spec.num_speculative_tokens if spec else 0
+        self.num_lookahead_tokens = spec.num_lookahead_tokens if spec else 0
+        self.spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens) if spec else None
 
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
@@ -181,10 +190,11 @@ class Scheduler:
         """Tokens of ``request`` to run this step; 0 means "not this step".
 
         The gap between known and computed tokens is the whole remaining prompt
-        for a prefill and 1 for a decode. Chunked prefill cuts it to what is
-        left of the budget; without chunking a gap that does not fit waits.
+        for a prefill and 1 for a decode, plus the drafts to verify (chapter 9).
+        Chunked prefill cuts it to what is left of the budget; without chunking
+        a gap that does not fit waits.
         """
-        num_new_tokens = request.num_prefillable_tokens - num_computed_tokens
+        num_new_tokens = request.num_prefillable_tokens + len(request.spec_token_ids) - num_computed_tokens
         if num_new_tokens > token_budget and not self.enable_chunked_prefill:
             return 0
         return min(num_new_tokens, token_budget)
@@ -198,7 +208,11 @@ class Scheduler:
             if num_new_tokens == 0:
                 req_index += 1
                 continue
-            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
+            while (
+                new_blocks := self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+                )
+            ) is None:
                 # No prefix-cache lookup has happened yet this step, so any running
                 # request may go: free() drops the hashes of blocks it never filled.
                 victim_index = select_preemption_victim(self.running, self.policy)
@@ -216,7 +230,21 @@ class Scheduler:
                 # loop here; for FCFS that is the same, as the victim is last.)
                 continue
             plan.add(request, num_new_tokens, new_blocks, is_new=False)
+            if request.spec_token_ids:
+                self._schedule_spec_tokens(request, num_new_tokens, plan)
             req_index += 1
+
+    def _schedule_spec_tokens(self, request: Request, num_new_tokens: int, plan: StepPlan) -> None:
+        """Book the drafts that fit in the request's ``num_new_tokens`` (chapter 9).
+
+        Whatever the budget left after the last known token is drafts; the
+        rest of the drafts are dropped. Either way the request's drafts are
+        used up: the proposer makes new ones after this step.
+        """
+        num_scheduled_spec_tokens = num_new_tokens + request.num_computed_tokens - request.num_tokens
+        if num_scheduled_spec_tokens > 0:
+            plan.scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_scheduled_spec_tokens]
+        request.spec_token_ids = []
 
     def _preempt_request(self, request: Request, plan: StepPlan) -> None:
         """Preempt by recompute: drop the KV, requeue the request at the front.
@@ -232,6 +260,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # guesses about a step that will not come
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
@@ -309,7 +338,13 @@ class Scheduler:
         """
         manager = self.kv_cache_manager
         while (
-            new_blocks := manager.allocate_slots(request, num_new_tokens, num_new_local_computed_tokens, hit_blocks)
+            new_blocks := manager.allocate_slots(
+                request,
+                num_new_tokens,
+                num_new_local_computed_tokens,
+                hit_blocks,
+                num_lookahead_tokens=self.num_lookahead_tokens,
+            )
         ) is None:
             preemptable = [
                 r for r in self.running if r not in plan.new_reqs and not manager.has_uncomputed_cached_blocks(r)
@@ -474,7 +509,11 @@ class Scheduler:
                 continue  # aborted while a step without a token for it ran
             was_running = request.status == RequestStatus.RUNNING
             # Empty for a partial prefill: its last position sampled nothing.
-            new_token_ids, is_stopped = self._update_request_with_output(request, sampled_by_req.get(req_id, []))
+            generated_token_ids = sampled_by_req.get(req_id, [])
+            scheduled_spec_token_ids = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if scheduled_spec_token_ids and generated_token_ids:
+                self._roll_back_rejected(request, len(scheduled_spec_token_ids), len(generated_token_ids) - 1)
+            new_token_ids, is_stopped = self._update_request_with_output(request, generated_token_ids)
             if is_stopped:
                 if was_running:
                     stopped_running.add(request)
@@ -498,12 +537,42 @@ class Scheduler:
             self.waiting.remove_requests(stopped_waiting)
         return EngineCoreOutputs(outputs=outputs)
 
+    def _roll_back_rejected(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
+        """Un-count the rejected drafts (chapter 9).
+
+        ``_update_after_schedule`` counted every draft as computed. The KV the
+        rejected ones wrote sits in slots past the request's real tokens: the
+        next step overwrites those slots before anything reads them, and no
+        block holding them was cached (``allocate_slots`` caches known tokens
+        only), so moving the counter back is the whole roll-back.
+        """
+        num_rejected = num_draft_tokens - num_accepted
+        request.num_computed_tokens -= num_rejected
+        if self.spec_decoding_stats is not None:
+            self.spec_decoding_stats.observe_draft(num_draft_tokens, num_accepted)
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """Take the proposer's drafts, to be scheduled with each request's next step.
+
+        Drafts are dropped for a request that has ended meanwhile, and for one
+        with a grammar: its drafts would have to be checked against the grammar
+        (vLLM's ``validate_tokens``), which nanoengine does not do, so such a
+        request decodes one token per step. A draft is cut so that its last
+        token, and the token sampled after it, stay inside ``max_model_len``.
+        """
+        for req_id, spec_token_ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished() or request.structured_output_request is not None:
+                continue
+            room = max(self.max_model_len - request.num_tokens - 1, 0)
+            request.spec_token_ids = list(spec_token_ids[: min(room, self.num_spec_tokens)])
+
     def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
         """Append tokens one by one, stopping at the first stop condition.
 
         Returns the tokens kept and whether the request stopped. One token per
-        step in nanoengine, but a list keeps the door open for speculative
-        decoding, where tokens after a stop must be dropped.
+        step, or with speculative decoding (chapter 9) the kept drafts and one
+        more: tokens after a stop are dropped.
         """
         for num_kept, token_id in enumerate(new_token_ids, start=1):
             request.append_output_token_ids(token_id)
@@ -559,6 +628,7 @@ class Scheduler:
             prefix_cache_queries=prefix_stats.queries,
             prefix_cache_hits=prefix_stats.hits,
             num_preemptions=self.num_preemptions,
+            spec_decoding_stats=self.spec_decoding_stats,
         )
 
 

@@ -39,6 +39,8 @@ class StepPlan:
     cached_reqs: list[Request] = field(default_factory=list)
     new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     preempted_reqs: list[Request] = field(default_factory=list)
+    # Speculative decoding (chapter 9): the drafts booked with a request's tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, request: Request, num_new_tokens: int, new_blocks: KVCacheBlocks, is_new: bool) -> None:
         """Book ``num_new_tokens`` of ``request`` into this step, paying from the budget."""
@@ -59,6 +61,7 @@ class StepPlan:
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
         self.cached_reqs.remove(request)
         del self.new_block_ids[request.request_id]
+        self.scheduled_spec_decode_tokens.pop(request.request_id, None)
 
     def make_scheduler_output(
         self, get_block_ids: Callable[[str], tuple[list[int], ...]], finished_req_ids: set[str]
@@ -94,4 +97,5 @@ class StepPlan:
             total_num_scheduled_tokens=sum(self.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
             preempted_req_ids={request.request_id for request in self.preempted_reqs},
+            scheduled_spec_decode_tokens=self.scheduled_spec_decode_tokens,
         )
