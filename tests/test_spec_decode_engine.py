@@ -5,7 +5,9 @@ writes with speculation on equal, token for token, the tokens it writes without,
 whatever the proposer, the number of drafts (k = 1..5), prefix caching, chunked
 prefill or preemption. Prompts are random token ids with a repeated stretch,
 so the n-gram proposer finds matches and both accepted and rejected drafts
-occur. Engine invariants are checked after every step (the conftest's autouse
+occur. The draft-model proposer runs with two tiny drafts: the target itself
+(every draft accepted) and a tiny model of another architecture with the
+same vocabulary (mostly rejected). Engine invariants are checked after every step (the conftest's autouse
 fixture).
 """
 
@@ -37,6 +39,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 def ngram(k: int, low: int = 1, high: int = 3) -> dict[str, Any]:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}
+
+
+def draft_model(k: int, model: str) -> dict[str, Any]:
+    return {"method": "draft_model", "num_speculative_tokens": k, "model": model}
+
+
+@pytest.fixture(scope="module")
+def other_tiny(tiny_model_factory: Callable[..., str]) -> str:
+    """A different random model with the tiny llama's tokenizer: a draft that is mostly wrong."""
+    return tiny_model_factory("qwen2")
+
+
+def methods(k: int, target: str, other: str) -> dict[str, dict[str, Any]]:
+    return {"ngram": ngram(k), "draft-self": draft_model(k, target), "draft-other": draft_model(k, other)}
 
 
 def repetitive_prompts(seed: int, count: int, vocab: int = 300) -> list[list[int]]:
@@ -84,15 +100,16 @@ def cached_engine(model: str, **kwargs: Any) -> LLMEngine:
 # ---- greedy exactness -------------------------------------------------------
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft-self", "draft-other"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000))
-def test_ngram_greedy_tokens_equal_plain_decoding(tiny_llama: str, k: int, seed: int) -> None:
-    """k = 1..5, prefix caching on, chunked prefill (a 32-token budget cuts the prompts)."""
+def test_greedy_tokens_equal_plain_decoding(tiny_llama: str, other_tiny: str, method: str, k: int, seed: int) -> None:
+    """Every method, k = 1..5, prefix caching on, chunked prefill (a 32-token budget cuts the prompts)."""
     prompts = repetitive_prompts(seed, 6)
     common = {"max_num_batched_tokens": 32}
     plain = generate(cached_engine(tiny_llama, **common), prompts)
-    engine = cached_engine(tiny_llama, speculative_config=ngram(k), **common)
+    engine = cached_engine(tiny_llama, speculative_config=methods(k, tiny_llama, other_tiny)[method], **common)
     before = stats(engine).spec_decoding_stats
     assert before is not None
     drafted = before.num_draft_tokens
@@ -101,14 +118,17 @@ def test_ngram_greedy_tokens_equal_plain_decoding(tiny_llama: str, k: int, seed:
     assert after is not None and after.num_draft_tokens > drafted  # drafts were really verified
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft-other"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_exact_with_and_without_prefix_caching_on_shared_prefixes(tiny_llama: str, prefix_caching: bool) -> None:
+def test_exact_with_and_without_prefix_caching_on_shared_prefixes(
+    tiny_llama: str, other_tiny: str, prefix_caching: bool, method: str
+) -> None:
     """Requests that share a prefix hit blocks other requests filled while speculating."""
     shared = repetitive_prompts(1, 1)[0][:40]
     prompts = [shared + tail for tail in repetitive_prompts(2, 6)]
     common = {"enable_prefix_caching": prefix_caching}
     plain = generate(make_engine(tiny_llama, **common), prompts)
-    engine = make_engine(tiny_llama, speculative_config=ngram(4), **common)
+    engine = make_engine(tiny_llama, speculative_config=methods(4, tiny_llama, other_tiny)[method], **common)
     assert generate(engine, prompts) == plain
     # A second round: now the prompts' blocks (and generated ones) are in the cache.
     assert generate(engine, prompts) == plain
@@ -116,13 +136,15 @@ def test_exact_with_and_without_prefix_caching_on_shared_prefixes(tiny_llama: st
         assert stats(engine).prefix_cache_hits > 0
 
 
-def test_exact_under_preemption(tiny_llama: str) -> None:
-    """A KV cache too small for the batch: requests are preempted, drafts dropped, recomputed."""
+@pytest.mark.parametrize("method", ["ngram", "draft-self", "draft-other"])
+def test_exact_under_preemption(tiny_llama: str, other_tiny: str, method: str) -> None:
+    """A KV cache too small for the batch: requests are preempted, drafts dropped, recomputed
+    (a draft model's KV too, from the first token)."""
     prompts = repetitive_prompts(3, 8)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     common = {"num_gpu_blocks_override": 12, "max_model_len": 128}
     plain = generate(make_engine(tiny_llama, **common), prompts, params)
-    engine = make_engine(tiny_llama, speculative_config=ngram(5), **common)
+    engine = make_engine(tiny_llama, speculative_config=methods(5, tiny_llama, other_tiny)[method], **common)
     assert generate(engine, prompts, params) == plain
     assert stats(engine).num_preemptions > 0
 
@@ -168,11 +190,13 @@ def test_stop_token_inside_accepted_drafts_ends_the_request_there(tiny_llama: st
     assert expected[0][-1] == stop_id
 
 
-def test_drafts_never_pass_max_model_len(tiny_llama: str) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft-self"])
+def test_drafts_never_pass_max_model_len(tiny_llama: str, other_tiny: str, method: str) -> None:
     prompt = repetitive_prompts(7, 1)[0][:40]
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     plain = generate(make_engine(tiny_llama, max_model_len=64), [prompt], params)
-    spec = generate(make_engine(tiny_llama, max_model_len=64, speculative_config=ngram(5)), [prompt], params)
+    config = methods(5, tiny_llama, other_tiny)[method]
+    spec = generate(make_engine(tiny_llama, max_model_len=64, speculative_config=config), [prompt], params)
     assert spec == plain and len(prompt) + len(spec[0]) == 64
 
 
@@ -254,6 +278,35 @@ def test_hybrid_model_is_refused(tiny_model_factory: Callable[..., str]) -> None
         EngineArgs(model=tiny_model_factory("qwen3_5"), speculative_config=ngram(2)).create_engine_config()
 
 
+def test_draft_model_acceptance_tells_a_good_draft_from_a_bad_one(tiny_llama: str, other_tiny: str) -> None:
+    prompts = repetitive_prompts(11, 4)
+    rates = {}
+    for name, config in methods(3, tiny_llama, other_tiny).items():
+        engine = make_engine(tiny_llama, speculative_config=config)
+        generate(engine, prompts)
+        spec_stats = stats(engine).spec_decoding_stats
+        assert spec_stats is not None
+        rates[name] = spec_stats.acceptance_rate
+    assert rates["draft-self"] == 1.0
+    assert rates["draft-other"] is not None and rates["draft-other"] < 0.5
+
+
+def test_draft_model_blocks_pay_for_both_models(tiny_llama: str) -> None:
+    """The KV cache spec counts the draft's layers, so the same budget gives fewer blocks."""
+    budget = {"kv_cache_memory_bytes": 4 << 20, "num_gpu_blocks_override": None}
+    plain = make_engine(tiny_llama, **budget).engine_core.get_engine_core().kv_cache_config.num_blocks
+    spec = make_engine(tiny_llama, speculative_config=draft_model(2, tiny_llama), **budget)
+    assert spec.engine_core.get_engine_core().kv_cache_config.num_blocks < plain
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny_llama: str, tmp_path: Any) -> None:
+    from tiny_models import tiny_config, write_random_model
+
+    other = write_random_model(tmp_path / "other-vocab", tiny_config("llama", vocab_size=100))
+    with pytest.raises(ValueError, match="vocab_size=100"):
+        EngineArgs(model=tiny_llama, speculative_config=draft_model(2, str(other))).create_engine_config()
+
+
 def test_speculative_config_object_is_accepted(tiny_llama: str) -> None:
     config = EngineArgs(model=tiny_llama, speculative_config=SpeculativeConfig(num_speculative_tokens=2))
     assert config.create_engine_config().speculative_config == SpeculativeConfig(num_speculative_tokens=2)
@@ -313,3 +366,19 @@ def test_soak_with_aborts_loses_nothing(tiny_llama: str) -> None:
     assert not scheduler.requests
     manager = scheduler.kv_cache_manager
     assert manager.num_free_blocks == manager.num_usable_blocks
+
+
+def test_layer_truncated_draft_runs_and_keeps_the_text(tiny_llama: str, tmp_path: Any) -> None:
+    """scripts/make_truncated_draft.py: the target's first layer as a (poor) draft."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from make_truncated_draft import truncate
+
+    folder = truncate(Path(tiny_llama), tmp_path / "first1", num_layers=1)
+    prompts = repetitive_prompts(12, 3)
+    plain = generate(make_engine(tiny_llama), prompts)
+    assert generate(make_engine(tiny_llama, speculative_config=draft_model(3, str(folder))), prompts) == plain
+    with pytest.raises(ValueError, match="--layers must be between 1 and"):
+        truncate(Path(tiny_llama), tmp_path / "too-many", num_layers=99)

@@ -9,6 +9,7 @@ shape and its longest context. vLLM 0.32 counterpart: ``vllm/engine/arg_utils.py
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -313,7 +314,25 @@ class EngineArgs:
         if model_config.is_hybrid:
             raise ValueError(f"speculative_config is not supported for the hybrid model {model_config.model}: "
                              "its linear-attention state cannot be rolled back over rejected drafts.")
+        if config.method == "draft_model":
+            _check_draft_model(config, model_config, self.tensor_parallel_size)
         return config
+
+
+def _check_draft_model(config: SpeculativeConfig, target: ModelConfig, tensor_parallel_size: int) -> None:
+    """A draft model must speak the target's vocabulary, and run on one rank here."""
+    assert config.model is not None
+    if tensor_parallel_size > 1:
+        raise ValueError("method='draft_model' works with tensor_parallel_size=1 only in nanoengine.")
+    draft = dataclasses.replace(target, hf_config=get_hf_config(resolve_model_path(config.model, target.load_format)))
+    get_model_class(draft.hf_config)  # an architecture nanoengine cannot run fails here, by name
+    if draft.is_hybrid:
+        raise ValueError(f"draft model {config.model!r} is a hybrid model; a draft must have full attention only.")
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft model {config.model!r} has vocab_size={draft.vocab_size}, the target {target.model!r} has "
+            f"{target.vocab_size}: a draft must use the target's tokenizer."
+        )
 
 
 def _speculative_config_from_dict(value: Any) -> SpeculativeConfig:

@@ -45,6 +45,10 @@ class CachedRequestState:
     # the flag outlives preemption: a resumed request must not send them again.
     prompt_logprobs_rows: LogprobsLists = field(default_factory=LogprobsLists.empty)
     prompt_logprobs_sent: bool = False
+    # Chapter 9, with a draft model: how many of token_ids the draft model has
+    # written KV for. A request sent anew (resumed after preemption) gets a
+    # fresh state, so its draft KV is rebuilt from the first token.
+    num_draft_computed_tokens: int = 0
 
     @property
     def num_output_tokens(self) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -35,6 +36,30 @@ from nanoengine.attention.layer import Attention, bind_kv_cache
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
 from nanoengine.model_executor.layers.mamba.gdn import GatedDeltaNetAttention, bind_mamba_state
 from nanoengine.worker.input_batch import LayerGroups
+from nanoengine.worker.page_advice import advise_no_huge_pages
+
+
+def allocate_kv_caches(
+    spec: FullAttentionSpec, num_blocks: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per
+    full-attention layer of ``spec`` (the target model's, or a draft model's).
+
+    Zero-filled, so stale slots hold zeros rather than NaN garbage. On CPU
+    the zeros come from numpy's calloc: the OS hands out zeroed pages lazily,
+    so an untouched block costs neither RAM nor time (``torch.zeros`` would
+    memset every page up front: seconds for a few GiB). The pages are kept
+    at 4 KiB (``page_advice.py``): a first write then never stalls a step.
+    """
+    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    if device.type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+    # Same-width integer storage viewed as the model dtype (numpy has no bf16).
+    storage = {2: np.uint16, 4: np.uint32}[spec.dtype_size]
+    caches = [torch.from_numpy(np.zeros(shape, dtype=storage)).view(dtype) for _ in range(spec.num_layers)]
+    for cache in caches:
+        advise_no_huge_pages(cache)
+    return caches
 
 
 def new_page_buffer(num_blocks: int, page_size_bytes: int, device: torch.device) -> torch.Tensor:

@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import cast
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -47,6 +46,7 @@ from nanoengine.outputs import (
 from nanoengine.sample.rejection_sampler import RejectionSampler
 from nanoengine.sample.sampler import Sampler
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.spec_decode.draft_model import DraftModelProposer
 from nanoengine.spec_decode.ngram_proposer import NgramProposer
 from nanoengine.structured_output.utils import apply_grammar_bitmask
 from nanoengine.utils.math_utils import cdiv
@@ -66,13 +66,13 @@ from nanoengine.worker.input_batch import (
 )
 from nanoengine.worker.kv_cache_spec import attention_spec, kv_cache_spec
 from nanoengine.worker.kv_cache_tensors import (
+    allocate_kv_caches,
     attention_layers,
     bind_shared_pages,
     private_states,
     release_states,
     state_layers,
 )
-from nanoengine.worker.page_advice import advise_no_huge_pages
 from nanoengine.worker.prompt_logprobs import (
     PromptLogprobTargets,
     collect_prompt_logprobs,
@@ -124,7 +124,11 @@ class ModelRunner:
         # Speculative decoding (chapter 9): who drafts, and the drafts of the
         # last step until the engine core takes them (take_draft_token_ids).
         spec = engine_config.speculative_config
-        self.drafter = NgramProposer(spec, engine_config.scheduler_config.max_model_len) if spec else None
+        self.drafter: NgramProposer | DraftModelProposer | None = None
+        if spec is not None and spec.method == "ngram":
+            self.drafter = NgramProposer(spec, engine_config.scheduler_config.max_model_len)
+        elif spec is not None:
+            self.drafter = DraftModelProposer(engine_config, device, self.dtype)
         self.rejection_sampler = RejectionSampler()
         self._draft_token_ids: DraftTokenIds | None = None
         # Requests without a seed share this stream; seeded ones get their own.
@@ -180,6 +184,8 @@ class ModelRunner:
         if self.attention_backend == "cpu":
             # The same C++ build carries the norm, RoPE and activation kernels.
             enable_cpu_kernels(self.get_model())
+        if isinstance(self.drafter, DraftModelProposer):  # chapter 9: the draft is loaded (and measured) too
+            self.drafter.load_model(self.linear_backend, self.attention_backend)
 
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.get_model().parameters())
@@ -187,30 +193,17 @@ class ModelRunner:
     def get_kv_cache_spec(self) -> FullAttentionSpec | dict[int, KVCacheSpec]:
         """What the KV cache of this model is made of (chapter 6; ``worker/kv_cache_spec.py``)."""
         max_model_len = self.engine_config.scheduler_config.max_model_len
-        return kv_cache_spec(self.get_model(), self.model_config, self.block_size, self.dtype, max_model_len)
+        spec = kv_cache_spec(self.get_model(), self.model_config, self.block_size, self.dtype, max_model_len)
+        if isinstance(self.drafter, DraftModelProposer) and isinstance(spec, FullAttentionSpec):
+            # Chapter 9: a draft model's KV lives in the same blocks, so each
+            # block's bytes cover its layers too (hybrid models are refused).
+            return replace(spec, num_layers=spec.num_layers + self.drafter.kv_cache_layers_needed(spec))
+        return spec
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per
-        full-attention layer (every layer, but in a hybrid model).
-
-        Zero-filled, so stale slots hold zeros rather than NaN garbage. On CPU
-        the zeros come from numpy's calloc: the OS hands out zeroed pages lazily,
-        so an untouched block costs neither RAM nor time (``torch.zeros`` would
-        memset every page up front: seconds for a few GiB). The pages are kept
-        at 4 KiB (``page_advice.py``): a first write then never stalls a step.
-        """
+        """The target model's K/V tensors (``kv_cache_tensors.allocate_kv_caches``)."""
         spec = attention_spec(self.model_config, self.block_size, self.dtype)
-        shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        if self.device.type != "cpu":
-            return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
-        # Same-width integer storage viewed as the model dtype (numpy has no bf16).
-        storage = {2: np.uint16, 4: np.uint32}[spec.dtype_size]
-        caches = [
-            torch.from_numpy(np.zeros(shape, dtype=storage)).view(self.dtype) for _ in range(spec.num_layers)
-        ]
-        for cache in caches:
-            advise_no_huge_pages(cache)
-        return caches
+        return allocate_kv_caches(spec, num_blocks, self.dtype, self.device)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate the KV cache the engine decided on and bind it to the layers.
@@ -223,6 +216,8 @@ class ModelRunner:
         if len(kv_cache_config.kv_cache_groups) == 1:
             self.kv_caches = self._allocate_kv_caches(kv_cache_config.num_blocks)
             bind_kv_cache(self.get_model(), self.kv_caches)
+            if isinstance(self.drafter, DraftModelProposer):
+                self.drafter.initialize_kv_cache(kv_cache_config.num_blocks, self.block_size)
             return
         self.layer_groups, self.kv_caches = bind_shared_pages(
             self.get_model(), kv_cache_config, self.dtype, self.device
@@ -460,8 +455,11 @@ class ModelRunner:
 
     def propose_draft_token_ids(self, states: list[CachedRequestState]) -> DraftTokenIds:
         """Chapter 9: the drafts for each request that just sampled, from its tokens so far."""
-        assert self.drafter is not None
-        drafts = self.drafter.propose([state.token_ids for state in states])
+        if isinstance(self.drafter, NgramProposer):
+            drafts = self.drafter.propose([state.token_ids for state in states])
+        else:
+            assert self.drafter is not None
+            drafts = self.drafter.propose(states)
         return DraftTokenIds([state.req_id for state in states], drafts)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
