@@ -122,6 +122,8 @@ def test_metrics_families_labels_and_counts(server: str, tiny_llama: str) -> Non
         assert samples[name], f"{name} is missing"
         for labels, _ in samples[name]:
             assert (labels.get("model_name"), labels.get("engine")) == (tiny_llama, "0"), (name, labels)
+    # A server without speculative decoding has none of its families (chapter 9), as in vLLM.
+    assert not [name for name in samples if name.startswith("vllm:spec_decode")]
     reasons = {labels["finished_reason"]: v for labels, v in samples["vllm:request_success_total"]}
     assert reasons == {"stop": 1, "length": 3, "abort": 0, "error": 0, "repetition": 0}
 

@@ -249,8 +249,10 @@ class EngineCoreProc(EngineCore):
         return {**super().describe(), "threads": sorted(thread.name for thread in threading.enumerate())}
 
     def get_stats(self) -> dict[str, Any]:
-        """The scheduler's counters (for ``/metrics``): queues, KV usage, prefix cache."""
+        """The scheduler's counters (for ``/metrics``): queues, KV usage, prefix cache,
+        and with speculative decoding (chapter 9) the draft counts, else None."""
         stats = self.scheduler.make_stats()
+        spec = stats.spec_decoding_stats
         return {
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
@@ -260,6 +262,13 @@ class EngineCoreProc(EngineCore):
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "num_preemptions": stats.num_preemptions,
+            # Plain ints and lists: they cross the socket as msgpack.
+            "spec_decoding": None if spec is None else {
+                "num_drafts": spec.num_drafts,
+                "num_draft_tokens": spec.num_draft_tokens,
+                "num_accepted_tokens": spec.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos),
+            },
         }
 
 

@@ -21,12 +21,21 @@ adds the tokens it generated to ``vllm:generation_tokens_total``, though it
 never counts as finished (``vllm:request_success_total`` and the
 per-request histograms hold only requests that ended on their own).
 
+With speculative decoding on (chapter 9) four more counter families report
+the drafts: ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
+``..._num_accepted_tokens`` and ``..._num_accepted_tokens_per_pos`` (one
+series per draft position, label ``position``). From them a dashboard derives
+the acceptance rate (accepted / draft tokens) and the mean acceptance length
+(1 + accepted / drafts). A server without speculation has none of these
+families, as in vLLM.
+
 Each server has its own ``CollectorRegistry``, so two servers in one process
 (tests) never share counters. The two ``nanoengine:`` block counts are ours:
 vLLM reports only the usage fraction.
 
-vLLM 0.32 counterpart: ``PrometheusStatLogger`` in ``vllm/v1/metrics/loggers.py``
-and the default buckets of ``vllm/v1/metrics/buckets.py``.
+vLLM 0.32 counterpart: ``PrometheusStatLogger`` in ``vllm/v1/metrics/loggers.py``,
+the default buckets of ``vllm/v1/metrics/buckets.py`` and ``SpecDecodingProm``
+in ``vllm/v1/spec_decode/metrics.py``.
 """
 
 from __future__ import annotations
@@ -91,6 +100,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         labelnames = ["model_name", "engine"]
         values = [model_name, str(engine_index)]
+        self._labelnames, self._labelvalues = labelnames, values
         # Every metric is made with its labels bound at once, as vLLM does: its
         # series appear (at zero) in the first scrape, before any request.
 
@@ -164,9 +174,12 @@ class ServerMetrics:
         self.decode_time = histogram(
             "vllm:request_decode_time_seconds", REQUEST_LATENCY_BUCKETS, "First token to last token.")
 
-        # The core's prefix-cache counters are running totals, and a Prometheus
-        # counter only goes up by increments: keep the last totals seen.
+        # The core's prefix-cache and draft counters are running totals, and a
+        # Prometheus counter only goes up by increments: keep the last totals seen.
         self._last_totals: dict[str, int] = {}
+        # Speculative decoding's counters (chapter 9): made when the core first
+        # reports draft counts, so a server that does not speculate has none.
+        self.spec_decode: SpecDecodeCounters | None = None
 
     def update_engine_stats(self, stats: dict[str, Any]) -> None:
         """The core's current state (``EngineCoreProc.get_stats``), at scrape time."""
@@ -175,12 +188,28 @@ class ServerMetrics:
         self.kv_cache_usage.set(stats["kv_cache_usage"])
         self.free_blocks.set(stats["num_free_blocks"])
         self.usable_blocks.set(stats["num_usable_blocks"])
-        for key, metric in (("prefix_cache_queries", self.prefix_cache_queries),
-                            ("prefix_cache_hits", self.prefix_cache_hits)):
-            increase = stats[key] - self._last_totals.get(key, 0)
-            if increase > 0:
-                metric.inc(increase)
-            self._last_totals[key] = stats[key]
+        self._advance(self.prefix_cache_queries, "prefix_cache_queries", stats["prefix_cache_queries"])
+        self._advance(self.prefix_cache_hits, "prefix_cache_hits", stats["prefix_cache_hits"])
+        spec = stats.get("spec_decoding")
+        if spec is not None:
+            if self.spec_decode is None:
+                # The route updates before it renders, so even the first scrape
+                # shows these families, at zero, as vLLM's start-up registration does.
+                self.spec_decode = SpecDecodeCounters(self.registry, self._labelnames, self._labelvalues,
+                                                      len(spec["num_accepted_tokens_per_pos"]))
+            counters = self.spec_decode
+            self._advance(counters.num_drafts, "spec_num_drafts", spec["num_drafts"])
+            self._advance(counters.num_draft_tokens, "spec_num_draft_tokens", spec["num_draft_tokens"])
+            self._advance(counters.num_accepted_tokens, "spec_num_accepted_tokens", spec["num_accepted_tokens"])
+            for position, total in enumerate(spec["num_accepted_tokens_per_pos"]):
+                self._advance(counters.num_accepted_tokens_per_pos[position], f"spec_accepted_pos_{position}", total)
+
+    def _advance(self, metric: Counter, key: str, total: int) -> None:
+        """Bring ``metric`` up to the core's running ``total`` (``key`` names it among the totals seen)."""
+        increase = total - self._last_totals.get(key, 0)
+        if increase > 0:
+            metric.inc(increase)
+        self._last_totals[key] = total
 
     def record_iteration(self, stats: IterationStats) -> None:
         """One batch of outputs: its counters, then one observation per request it touched."""
@@ -218,3 +247,28 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SpecDecodeCounters:
+    """vLLM's speculative-decoding counter families (chapter 9), bound to one server's labels.
+
+    Counters, so Prometheus shows each as ``<name>_total``. Per-position
+    counts use ``position`` "0" for the first draft token, up to
+    ``num_speculative_tokens - 1``; one series per position from the start.
+    """
+
+    def __init__(self, registry: CollectorRegistry, labelnames: list[str], values: list[str],
+                 num_positions: int) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labelnames, registry=registry).labels(*values)
+
+        self.num_drafts = counter("vllm:spec_decode_num_drafts",
+                                  "Verification steps of requests that had drafts (one per request and step).")
+        self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                           "Draft tokens the target model kept.")
+        per_position = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                               "Draft tokens kept, by position in the draft (0 = the first guess).",
+                               [*labelnames, "position"], registry=registry)
+        self.num_accepted_tokens_per_pos = [per_position.labels(*values, str(position))
+                                            for position in range(num_positions)]

@@ -5,6 +5,8 @@ Chapters 3 (scheduler) and 4 (KV cache manager). Turn it on with
 generating, ``llm.trace`` is an ``EngineTrace`` with one ``StepTrace`` per step.
 ``trace_table(llm.trace)`` renders it with rich, ``save_timeline(llm.trace, path)``
 draws a per-request timeline with KV usage beneath (needs the ``plot`` extra).
+With speculative decoding (chapter 9) each step also records, per request,
+the draft tokens verified and how many were accepted or rejected.
 
 Modules: ``data`` (the dataclasses), ``recorder`` (watches the scheduler from
 outside; nothing is watched when tracing is off), ``table`` (rich),

@@ -12,6 +12,10 @@ draws them.
 (waiting, prefill, decode, recompute, preempted, stalled; then finished), the
 shape of the timeline picture.
 
+With speculative decoding (chapter 9) a decode chunk also carries the draft
+tokens it verified, and how many of them the target model accepted: a
+decode of ``1 + k`` tokens that moved the request on by ``1 + accepted``.
+
 vLLM 0.32 counterpart: none (see ``nanoengine/instruments/trace/recorder.py``).
 """
 
@@ -37,6 +41,15 @@ class ScheduledChunk:
     # pool's view: with several KV cache groups, theirs follow in group order.
     new_block_ids: list[int]
     num_cached_tokens: int  # prefix-cache hit on admission; 0 for a request already running
+    # Speculative decoding (chapter 9): draft tokens among num_tokens, and how
+    # many the target kept (read off the step's sampled tokens). 0 without drafts.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def num_rejected_tokens(self) -> int:
+        """Drafts thrown away: the request's computed-token count was rolled back over them."""
+        return self.num_draft_tokens - self.num_accepted_tokens
 
 
 @dataclass
@@ -80,6 +93,18 @@ class StepTrace:
     def new_block_ids(self) -> list[int]:
         return [block_id for chunk in self.scheduled for block_id in chunk.new_block_ids]
 
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(chunk.num_draft_tokens for chunk in self.scheduled)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(chunk.num_accepted_tokens for chunk in self.scheduled)
+
+    @property
+    def num_rejected_tokens(self) -> int:
+        return sum(chunk.num_rejected_tokens for chunk in self.scheduled)
+
     def chunk_for(self, request_id: str) -> ScheduledChunk | None:
         return next((chunk for chunk in self.scheduled if chunk.request_id == request_id), None)
 
@@ -114,6 +139,11 @@ class EngineTrace:
     @property
     def num_preemptions(self) -> int:
         return sum(len(step.preemptions) for step in self.steps)
+
+    @property
+    def has_drafts(self) -> bool:
+        """Whether any step verified draft tokens (the table then shows its draft columns)."""
+        return any(step.num_draft_tokens for step in self.steps)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -15,7 +15,8 @@ its KV cache manager and its block pool (``nanoengine/instruments/method_taps.py
 * ``KVCacheManager.free``: the block table a request gives back;
 * ``BlockPool._maybe_evict_cached_block``: a cached block reused (LRU eviction);
 * ``Scheduler._free_request``: a request that finished, and how;
-* ``Scheduler.update_from_output``: the end of the step.
+* ``Scheduler.update_from_output``: the sampled tokens, hence how many drafts
+  each request kept (chapter 9), and the end of the step.
 
 The scheduler's code contains none of this, and an engine without
 ``trace=True`` has nothing tapped, so tracing off costs nothing at all.
@@ -44,6 +45,7 @@ if TYPE_CHECKING:  # annotations only: the recorder watches these, it does not b
     from nanoengine.core.sched.output import SchedulerOutput
     from nanoengine.core.sched.scheduler import Scheduler
     from nanoengine.engine.core import EngineCore
+    from nanoengine.outputs import ModelRunnerOutput
 
 # The recorder of each traced engine core (the instruments' plugin attaches them);
 # weak keys, so a core that is gone takes its trace with it.
@@ -136,15 +138,19 @@ class TraceRecorder:
             request = scheduler.requests[req_id]
             is_new = req_id in new_starts
             start = new_starts[req_id] if is_new else cached_starts[req_id]
+            # Drafts to verify (chapter 9) ride along with a decode; without
+            # them the chunk is the one token sampled last step.
+            num_drafts = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
             step.scheduled.append(
                 ScheduledChunk(
                     request_id=req_id,
-                    kind=_chunk_kind(request, start, num_tokens, is_new),
+                    kind=_chunk_kind(request, start, num_tokens - num_drafts, is_new),
                     start=start,
                     num_tokens=num_tokens,
                     num_prompt_tokens=request.num_prompt_tokens,
                     new_block_ids=self._new_block_ids.get(req_id, []),
                     num_cached_tokens=start if is_new else 0,
+                    num_draft_tokens=num_drafts,
                 )
             )
         manager = scheduler.kv_cache_manager
@@ -157,9 +163,25 @@ class TraceRecorder:
 
     # ---- update_from_output() ----------------------------------------------------
 
-    def _on_update_begin(self, *args: object) -> None:
+    def _on_update_begin(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput) -> None:
         # From the end of schedule() to here: the forward pass and sampling.
         self._open.execute_s = self._lap()
+        if scheduler_output.scheduled_spec_decode_tokens:
+            self._count_accepted(scheduler_output, model_runner_output)
+
+    def _count_accepted(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput) -> None:
+        """How many drafts each request kept (chapter 9), read off the sampled tokens.
+
+        A request that verified drafts samples the accepted ones plus one token
+        of the target's own, hence ``len(sampled) - 1``: the count the
+        scheduler rolls back over. One that sampled nothing (ended meanwhile)
+        kept none.
+        """
+        sampled = model_runner_output.by_request()
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            chunk = self._open.chunk_for(req_id)
+            if chunk is not None:  # None only if the recorder was attached between schedule and update
+                chunk.num_accepted_tokens = min(max(len(sampled.get(req_id, ())) - 1, 0), len(drafts))
 
     def _on_step_end(self, *args: object) -> None:
         finished_step = self._open
@@ -189,6 +211,7 @@ def _chunk_kind(request: Request, start: int, num_new_tokens: int, is_new: bool)
     * "recompute": a preempted request rebuilding KV it had computed before
       (its re-admission always counts, even when the prefix cache left 1 token);
     * "decode": the one token sampled last step (the gap of a running request);
+      the caller leaves out the drafts verified with it (chapter 9);
     * "prefill": prompt tokens seen for the first time (maybe one chunk of many).
     """
     is_decode = num_new_tokens == 1 and start + 1 == request.num_tokens and start >= request.num_prompt_tokens
