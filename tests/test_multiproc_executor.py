@@ -268,3 +268,22 @@ def test_smollm2_on_three_ranks_gives_the_tokens_of_one(default_model_path: str,
             assert _tokens(llm, texts, params) == expected
         finally:
             llm.llm_engine.shutdown()
+
+
+def test_two_ranks_speculate_with_ngram_drafts_and_keep_the_tokens(tiny_llama: str) -> None:
+    """Chapter 9 across ranks: every rank drafts the same tokens from the same inputs,
+    rank 0's drafts reach the scheduler (``take_draft_token_ids``), the tokens stay the same."""
+    rng = random.Random(1)
+    stretches = [[rng.randrange(3, 300) for _ in range(6)] for _ in range(4)]
+    prompts = [stretch * 3 for stretch in stretches]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    expected, _ = _run(LLM(tiny_llama, **CHUNKED_AND_PREEMPTED), prompts, 24)
+    with _no_new_processes():
+        llm = LLM(tiny_llama, tensor_parallel_size=2, speculative_config=spec, **CHUNKED_AND_PREEMPTED)
+        try:
+            got, _ = _run(llm, prompts, 24)
+            assert got == expected
+            stats = _core(llm).scheduler.spec_decoding_stats
+            assert stats is not None and stats.num_draft_tokens > 0
+        finally:
+            llm.llm_engine.shutdown()
