@@ -20,7 +20,7 @@ runs on a thread of its own, and a check that has not returned by its deadline
 the reference back and goes on to the next check. A blocked thread or event
 loop cannot hang the grader; it ends with the process.
 
-Chapters 1, 3-8 (the exercises). vLLM 0.32 counterpart: none (teaching material).
+Chapters 1, 3-9 (the exercises). vLLM 0.32 counterpart: none (teaching material).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the grader says when a check fails: only what differs, and where.
 
-Chapters 1, 3-8 (the exercises). A check returns labeled data: a dict whose
+Chapters 1, 3-9 (the exercises). A check returns labeled data: a dict whose
 keys name the call and its inputs (``"allocate_slots(first, 10 new tokens)"``)
 and whose values are what came back. When the student's result is not the
 reference's, ``describe_difference`` walks both and reports each place where

@@ -12,11 +12,10 @@ import ast
 import asyncio
 import inspect
 import os
-from pathlib import Path
 
 import pytest
 import yaml
-from exercise_mutants import Mutant, ch1, ch3, ch4, ch4_hybrid, ch5, ch6, ch6_tensor_parallel, ch7, ch8
+from exercise_mutants import Mutant, ch1, ch3, ch4, ch4_hybrid, ch5, ch6, ch6_tensor_parallel, ch7, ch8, ch9
 
 from chapters.exercise_stubs import check as check_stubs
 from chapters.exercise_stubs import is_untouched, render_stub, reset_stub, write
@@ -27,9 +26,10 @@ from chapters.grade_checks import CHECKS
 STUDENT = os.environ.get("NANOENGINE_STUDENT") == "1"
 EXERCISES = find_exercises()
 # The exercises the course promises; more may be added, none may disappear.
-REQUIRED = {"1.1", "3.1", "3.2", "4.1", "4.2", "4.3", "4.4", "4.5", "5.1", "5.2", "6.1", "6.2", "7.1", "8.1", "8.2"}
+REQUIRED = {"1.1", "3.1", "3.2", "4.1", "4.2", "4.3", "4.4", "4.5", "5.1", "5.2", "6.1", "6.2", "7.1", "8.1", "8.2",
+            "9.1"}
 MUTANTS: list[Mutant] = [*ch1.MUTANTS, *ch3.MUTANTS, *ch4.MUTANTS, *ch4_hybrid.MUTANTS, *ch5.MUTANTS,
-                          *ch6.MUTANTS, *ch6_tensor_parallel.MUTANTS, *ch7.MUTANTS, *ch8.MUTANTS]
+                          *ch6.MUTANTS, *ch6_tensor_parallel.MUTANTS, *ch7.MUTANTS, *ch8.MUTANTS, *ch9.MUTANTS]
 # Every exercise gets at least this many planted mistakes for its grader to catch.
 MIN_MUTANTS = 3
 
@@ -172,6 +172,26 @@ def test_6_2_reference_ranks_give_hugging_faces_logits(tiny_llama: str) -> None:
     result = _reference_result("6.2", name, tiny_llama)
     matches = {label: value for label, value in result.items() if "of Hugging Face's" in label}
     assert len(matches) == 4 and all(matches.values()), matches
+
+
+@pytest.mark.exercise_9_1
+def test_9_1_reference_run_keeps_rejects_and_adds_bonus_tokens(tiny_llama: str) -> None:
+    """9.1's end-to-end check compares the student's run with the reference's: the
+    reference's must give plain greedy decoding's tokens and meet every case of the
+    page (drafts kept, drafts rejected, a step that kept all its drafts), or a wrong
+    answer could pass on a run that never reaches its mistake."""
+    if STUDENT:
+        pytest.skip("student mode grades the student's code; this checks the check")
+    from chapters.grade_checks.ch9 import MAX_STEPS, e2e_same_as_plain, plain_run
+
+    name = next(check.name for check in CHECKS["9.1"] if check.run is e2e_same_as_plain)
+    result = _reference_result("9.1", name, tiny_llama)
+    plain_steps = plain_run(tiny_llama).steps
+    assert result[f"every request finished within {MAX_STEPS} engine steps"] is True, result
+    assert result["every request's tokens are plain greedy decoding's"] is True, result
+    assert 0 < result["drafts kept"] < result["drafted tokens verified"], result
+    assert result["steps that kept all 3 drafts (and added a bonus token)"] > 0, result
+    assert result[f"engine steps (plain decoding: {plain_steps})"] < plain_steps, result  # the point of it all
 
 
 def test_grade_cli_reports_pass_and_fail(tiny_llama: str, capsys: pytest.CaptureFixture[str],

@@ -45,6 +45,7 @@ EXERCISE_TARGETS: dict[str, str] = {
     "7.1": "nanoengine.worker.input_batch:compute_slot_mapping",
     "8.1": "nanoengine.engine.core_client:SyncMPClient.get_output",
     "8.2": "nanoengine.engine.async_llm:AsyncLLM._run_output_handler",
+    "9.1": "nanoengine.sample.rejection_sampler:_verify_greedy",
 }
 # A marked definition: a plain function or method, or a coroutine one (``async def``).
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef

@@ -20,6 +20,7 @@ def allocate_slots(
     num_new_computed_tokens: int = 0,
     new_computed_blocks: KVCacheBlocks | None = None,
     delay_cache_blocks: bool = False,
+    num_lookahead_tokens: int = 0,
 ) -> KVCacheBlocks | None:
     """Make room for ``num_new_tokens`` more tokens of ``request``.
 
@@ -33,6 +34,9 @@ def allocate_slots(
     every block needed, nothing changes and ``None`` tells the scheduler to
     preempt a request (or to stop admitting new ones). On success, returns
     just the newly allocated blocks (the worker appends them to its table).
+
+    ``num_lookahead_tokens`` adds slots beyond the third run, for a draft
+    model's own guesses (chapter 9); they are never cached.
 
     ``delay_cache_blocks`` keeps the new blocks out of the prefix cache: a KV
     connector is still loading their contents (chapter 5), and another

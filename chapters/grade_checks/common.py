@@ -1,7 +1,7 @@
 """What every exercise's checks share: the ``Check`` record, request and spec
 builders, and the short greedy generations the end-to-end checks compare.
 
-Chapters 1, 3-7. vLLM 0.32 counterpart: none (teaching material).
+Chapters 1, 3-9. vLLM 0.32 counterpart: none (teaching material).
 """
 
 from __future__ import annotations

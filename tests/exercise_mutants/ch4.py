@@ -52,8 +52,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "4.1",
         "slots past max_model_len (no min with max_model_len)",
-        mutate("4.1", ("min(num_computed_tokens + num_new_tokens, self.max_model_len)",
-                       "num_computed_tokens + num_new_tokens")),
+        mutate("4.1", ("min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)",
+                       "num_computed_tokens + num_new_tokens + num_lookahead_tokens")),
         caught_by="never more slots than max_model_len",
     ),
     Mutant(
