@@ -117,6 +117,14 @@ def headings() -> list[tuple[re.Pattern[str], str]]:
         (r"3\. one answer, streamed as server-sent events", "3. 一个回答，以服务器推送事件（SSE）流式返回"),
         (r"4\. that request's messages, in time order", "4. 这个请求的消息，按时间先后"),
         (r"5\. a client that hangs up", "5. 中途挂断的客户端"),
+        # chapter 9
+        (r"1\. One request, step by step: drafts, verdicts, the roll-back",
+         f"1. 一个请求，一步一步：{t('draft')}、判定与回退"),
+        (r"2\. The KV blocks around a rejection", f"2. 一次拒绝前后的 KV {t('block')}"),
+        (r"3\. Acceptance per position and the mean acceptance length",
+         f"3. 各位置的{t('acceptance rate')}与{t('mean acceptance length')}"),
+        (r"4\. Speed: the same prompts with and without speculation",
+         f"4. 速度：同样的提示，开与不开{t('speculative decoding')}"),
         # exercise 1.1's walkthrough
         (r"run_to_completion: add_request once, step\(\) until finished", "run_to_completion：add_request 一次，再 step() 直到完成"),
     ]
@@ -169,6 +177,10 @@ def introductions() -> dict[str, str]:
         "chapters.ch08_serving": (
             f"第 8 章：在线服务。服务器与{t('engine core process')}：进程与线程、跨进程的组件树、"
             "一次流式回答的消息时间线，以及客户端挂断时请求在引擎核心里被中止。"
+        ),
+        "chapters.ch09_spec_decode": (
+            f"第 9 章：{t('speculative decoding')}。{t('draft')}被接受或拒绝、num_computed_tokens 的回退、"
+            f"拒绝前后的 KV {t('block')}、{t('acceptance rate')}；再比较开与不开的速度。"
         ),
         "chapters.ex01_engine_by_hand": "练习 1.1：不用 generate(...)，自己 add_request 再反复 step()，直到请求完成。",
     }

@@ -39,8 +39,10 @@ DEFAULT_VLLM_PYTHON = Path(os.environ.get("NANOENGINE_CACHE", Path.home() / ".ca
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MARKER = "@@bench "  # engines log to stdout too; our answers are the lines that start with it
 
-# (prompts, max_tokens) -> (new token ids per request, TTFTs, TPOTs), in seconds.
-Generate = Callable[[list[list[int]], list[int]], tuple[list[list[int]], list[float], list[float]]]
+# (prompts, max_tokens, ignore_eos) -> (new token ids per request, TTFTs, TPOTs), in seconds.
+Generate = Callable[[list[list[int]], list[int], bool], tuple[list[list[int]], list[float], list[float]]]
+# Speculative decoding (chapter 9): the engine's cumulative draft counts so far, or None.
+SpecCounts = Callable[[], "dict[str, int] | None"]
 
 
 def check_lengths(system: str, tokens: list[list[int]], wanted: list[int]) -> None:
@@ -76,6 +78,8 @@ class ChildSystem:
         self.version = str(hello.get("version", "?"))
         self.kernels = str(hello.get("kernels", "?"))  # which compiled kernels the child runs
         self.last_metrics: dict[str, list[float]] = {"ttft": [], "tpot": []}
+        # Cumulative draft / accepted token counts after the last run (speculation on).
+        self.spec_counts: dict[str, int] | None = None
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -88,15 +92,20 @@ class ChildSystem:
         raise RuntimeError(f"the {self.name} child exited with code {self.proc.wait()}")
 
     def run(self, workload: Any) -> list[list[int]]:
+        """Generate ``workload`` greedily; every request runs to its ``max_tokens``
+        unless the workload lets requests stop at EOS (``ignore_eos=False``:
+        chapter 9's text workloads, whose answers end where the model ends them)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(
-            json.dumps({"prompts": workload.prompts, "max_tokens": workload.max_tokens}) + "\n"
-        )
+        ignore_eos = getattr(workload, "ignore_eos", True)
+        request = {"prompts": workload.prompts, "max_tokens": workload.max_tokens, "ignore_eos": ignore_eos}
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         answer = self._read()
         self.last_metrics = {"ttft": answer["ttft"], "tpot": answer["tpot"]}
+        self.spec_counts = answer.get("spec")
         tokens = [list(t) for t in answer["tokens"]]
-        check_lengths(self.name, tokens, workload.max_tokens)
+        if ignore_eos:
+            check_lengths(self.name, tokens, workload.max_tokens)
         return tokens
 
     def close(self) -> None:
@@ -134,7 +143,7 @@ def _latencies(
     return ttft, tpot
 
 
-def _nanoengine(config: dict[str, Any]) -> tuple[str, str, Generate]:
+def _nanoengine(config: dict[str, Any]) -> tuple[str, str, Generate, SpecCounts]:
     import torch
 
     import nanoengine
@@ -151,11 +160,11 @@ def _nanoengine(config: dict[str, Any]) -> tuple[str, str, Generate]:
                f"linear {resolve_linear_backend('auto', cpu, dtype)}, ATen {torch.backends.cpu.get_cpu_capability()}")
 
     def generate(
-        prompts: list[list[int]], max_tokens: list[int]
+        prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool
     ) -> tuple[list[list[int]], list[float], list[float]]:
         # One generate() call for the whole workload: the scheduler sees every
         # request at once and keeps up to max_num_seqs of them in flight.
-        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=ignore_eos) for m in max_tokens]
         token_prompts: list[TokensPrompt] = [{"prompt_token_ids": p} for p in prompts]
         outputs = llm.generate(token_prompts, params, use_tqdm=False)
         ttft, tpot = _latencies(
@@ -165,10 +174,17 @@ def _nanoengine(config: dict[str, Any]) -> tuple[str, str, Generate]:
         )
         return [list(o.outputs[0].token_ids) for o in outputs], ttft, tpot
 
-    return nanoengine.__version__, kernels, generate
+    def spec_counts() -> dict[str, int] | None:
+        stats = llm.llm_engine.engine_core.get_engine_core().scheduler.spec_decoding_stats
+        if stats is None:
+            return None
+        return {"draft_tokens": stats.num_draft_tokens, "accepted_tokens": stats.num_accepted_tokens,
+                "drafts": stats.num_drafts}
+
+    return nanoengine.__version__, kernels, generate, spec_counts
 
 
-def _vllm(config: dict[str, Any]) -> tuple[str, str, Generate]:
+def _vllm(config: dict[str, Any]) -> tuple[str, str, Generate, SpecCounts]:
     import torch
 
     if os.environ.get("NANOENGINE_CPU_ISA") == "avx2":
@@ -192,26 +208,34 @@ def _vllm(config: dict[str, Any]) -> tuple[str, str, Generate]:
         return float((stats.last_token_ts - stats.first_token_ts) / (stats.num_generation_tokens - 1))
 
     def generate(
-        prompts: list[list[int]], max_tokens: list[int]
+        prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool
     ) -> tuple[list[list[int]], list[float], list[float]]:
-        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=ignore_eos) for m in max_tokens]
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         ttft, tpot = _latencies(
             outputs, lambda o: o.metrics.first_token_latency if o.metrics else None, tpot_of
         )
         return [list(o.outputs[0].token_ids) for o in outputs], ttft, tpot
 
-    return str(vllm.__version__), kernels, generate
+    def spec_counts() -> dict[str, int] | None:
+        # vLLM's own counters (disable_log_stats=False keeps them), by their Prometheus names.
+        names = {"vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens", "vllm:spec_decode_num_drafts": "drafts"}
+        counts = {names[m.name]: int(m.value) for m in llm.get_metrics() if m.name in names}
+        return counts or None
+
+    return str(vllm.__version__), kernels, generate, spec_counts
 
 
 def _serve(kind: str, config_json: str) -> None:
     """The child: build the engine once, then answer one JSON request per stdin line."""
-    version, kernels, generate = {"nanoengine": _nanoengine, "vllm": _vllm}[kind](json.loads(config_json))
+    version, kernels, generate, spec_counts = {"nanoengine": _nanoengine, "vllm": _vllm}[kind](json.loads(config_json))
     print(MARKER + json.dumps({"version": version, "kernels": kernels}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
-        tokens, ttft, tpot = generate(request["prompts"], request["max_tokens"])
-        print(MARKER + json.dumps({"tokens": tokens, "ttft": ttft, "tpot": tpot}), flush=True)
+        tokens, ttft, tpot = generate(request["prompts"], request["max_tokens"], request.get("ignore_eos", True))
+        answer = {"tokens": tokens, "ttft": ttft, "tpot": tpot, "spec": spec_counts()}
+        print(MARKER + json.dumps(answer), flush=True)
 
 
 if __name__ == "__main__":
