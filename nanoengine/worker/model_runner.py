@@ -17,6 +17,7 @@ bitmask (structured output), which it computes while the forward pass runs.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field, replace
 from typing import cast
@@ -153,6 +154,10 @@ class ModelRunner:
         # (vLLM captures them with Mamba metadata of its own). Nor with several
         # tensor-parallel ranks: capturing their all-reduces is not built here
         # (vLLM captures NCCL's, and its own custom all-reduce).
+        # Nor with speculative decoding (chapter 9): a verification batch is
+        # one-token queries too, but the captured graphs were not recorded for
+        # k + 1 logits rows per request (vLLM captures "uniform decode" steps
+        # of 1 + num_speculative_tokens queries per request for that).
         sched = engine_config.scheduler_config
         self.max_blocks_per_req = cdiv(sched.max_model_len, self.block_size)
         self.dispatcher = CudagraphDispatcher(
@@ -162,6 +167,7 @@ class ModelRunner:
             and not self.model_config.enforce_eager
             and not self.model_config.is_hybrid
             and engine_config.parallel_config.world_size == 1
+            and engine_config.speculative_config is None
             and self.attention_backend == "triton",
         )
         self.cudagraph_runner: CUDAGraphRunner | None = None
@@ -343,13 +349,14 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._pending = None
             return ModelRunnerOutput([], [], kv_connector_output=self._kv_connector_output())
-        req_ids = order_decodes_first(scheduler_output.num_scheduled_tokens)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        req_ids = order_decodes_first(scheduler_output.num_scheduled_tokens, spec)
         states = [self.requests[rid] for rid in req_ids]
         num_scheduled = [scheduler_output.num_scheduled_tokens[rid] for rid in req_ids]
-        spec = scheduler_output.scheduled_spec_decode_tokens
         drafts = [spec.get(rid, []) for rid in req_ids] if spec else None
         inputs = prepare_inputs(states, num_scheduled, self.block_size, self.device, self.layer_groups, drafts)
-        targets = find_prompt_logprob_targets(states, num_scheduled, inputs.attn_metadata.query_start_loc_cpu)
+        first_rows = [0, *itertools.accumulate(num_scheduled)]  # each request's first hidden-state row
+        targets = find_prompt_logprob_targets(states, num_scheduled, first_rows)
         logits = self._forward(inputs, None if targets is None else targets.hidden_rows)
         num_rows = len(inputs.logits_indices)
         self._pending = _PendingSample(
