@@ -18,8 +18,10 @@ from nanoengine.core.kv_cache_manager import KVCacheManager
 from nanoengine.core.kv_cache_sizing import max_concurrency
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.engine.core import EngineCore
+from nanoengine.executor.uniproc_executor import UniProcExecutor
 from nanoengine.instruments.component_tree import code_location
 from nanoengine.utils.mem_utils import format_bytes
+from nanoengine.worker.model_runner import ModelRunner
 
 
 class ChapterConsole(Console):
@@ -71,6 +73,17 @@ T = TypeVar("T")
 # The two prompts of the study notes (chapters 1 and 5 use them verbatim).
 SEED_PROMPTS = ["你好，请用一句话介绍你自己", "写一个把列表倒序的 Python 函数"]
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def engine_parts(llm: LLM) -> tuple[EngineCore, ModelRunner]:
+    """The engine core and the model runner of an in-process, one-rank ``LLM``:
+    the walkthroughs that step the engine by hand (chapters 7 and 9) drive both."""
+    core = llm.llm_engine.engine_core.get_engine_core()
+    executor = core.model_executor
+    assert isinstance(executor, UniProcExecutor), "the walkthrough reads the worker in this process (one rank)"
+    runner = executor.driver_worker.model_runner
+    assert runner is not None
+    return core, runner
 
 
 def base_parser(description: str, module: str = "") -> argparse.ArgumentParser:

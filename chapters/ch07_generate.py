@@ -28,10 +28,8 @@ from dataclasses import dataclass
 import torch
 from rich.table import Table
 
-from chapters._common import base_parser, console
+from chapters._common import base_parser, console, engine_parts
 from nanoengine import LLM, SamplingParams
-from nanoengine.engine.core import EngineCore
-from nanoengine.executor.uniproc_executor import UniProcExecutor
 from nanoengine.instruments.method_taps import tap
 from nanoengine.worker.cudagraph_dispatcher import (
     CudagraphDecision,
@@ -96,22 +94,13 @@ class ForwardWatch:
         self.logits = logits
 
 
-def _parts(llm: LLM) -> tuple[EngineCore, ModelRunner]:
-    core = llm.llm_engine.engine_core.get_engine_core()
-    executor = core.model_executor
-    assert isinstance(executor, UniProcExecutor), "the walkthrough reads the worker in this process (one rank)"
-    runner = executor.driver_worker.model_runner
-    assert runner is not None
-    return core, runner
-
-
 def one_step(llm: LLM, watch: ForwardWatch, show: bool) -> StepRecord:
     """EngineCore.step, unrolled: schedule -> execute_model -> sample_tokens -> update.
 
     The outputs then go to the front end's output processor, as
     ``LLMEngine.step`` would send them, so requests finish there too.
     """
-    core, _ = _parts(llm)
+    core, _ = engine_parts(llm)
     scheduler_output = core.scheduler.schedule()
     core.model_executor.execute_model(scheduler_output)  # forward pass, logits kept
     watch.logits = None  # a step with no row to sample never calls the sampler
@@ -156,7 +145,7 @@ def simulate_graph_step(llm: LLM, watch: ForwardWatch, max_num_seqs: int) -> tup
     from nanoengine.attention.selector import get_attention_impl
 
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    core, runner = _parts(llm)
+    core, runner = engine_parts(llm)
     for i, prompt in enumerate(PROMPTS):
         llm.llm_engine.add_rendered_request(f"sim-{i}", llm.llm_engine.renderer.render_prompt(prompt), params)
     model = runner.get_model()
@@ -199,7 +188,7 @@ def compare_async(model: str, llm_kwargs: dict[str, int], params: SamplingParams
     num_steps = num_overlapped = 0
     for async_scheduling in (False, True):
         llm = LLM(model, async_scheduling=async_scheduling, **llm_kwargs)
-        engine, core = llm.llm_engine, _parts(llm)[0]
+        engine, core = llm.llm_engine, engine_parts(llm)[0]
         for i, prompt in enumerate(PROMPTS):
             engine.add_rendered_request(f"req-{i}", engine.renderer.render_prompt(prompt), params)
         tokens[async_scheduling] = {}
@@ -228,7 +217,7 @@ def main(argv: list[str] | None = None) -> Ch07Result:
     llm_kwargs = {"max_num_seqs": args.max_num_seqs, "max_model_len": 512, "max_num_batched_tokens": 64,
                   "kv_cache_memory_bytes": 64 << 20}
     llm = LLM(args.model, **llm_kwargs)
-    core, runner = _parts(llm)
+    core, runner = engine_parts(llm)
     watch = ForwardWatch(runner)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):

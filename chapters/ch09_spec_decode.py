@@ -39,10 +39,8 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from chapters._common import base_parser, console
+from chapters._common import base_parser, console, engine_parts
 from nanoengine import LLM, SamplingParams
-from nanoengine.engine.core import EngineCore
-from nanoengine.executor.uniproc_executor import UniProcExecutor
 from nanoengine.instruments.method_taps import tap
 from nanoengine.platforms.cpu import describe_cpu
 from nanoengine.request import Request
@@ -163,15 +161,6 @@ class Ch09Result:
     speed: SpeedResult | None = None
 
 
-def _parts(llm: LLM) -> tuple[EngineCore, ModelRunner]:
-    core = llm.llm_engine.engine_core.get_engine_core()
-    executor = core.model_executor
-    assert isinstance(executor, UniProcExecutor), "the walkthrough reads the worker in this process (one rank)"
-    runner = executor.driver_worker.model_runner
-    assert runner is not None
-    return core, runner
-
-
 def spec_config(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "method": "ngram",
@@ -196,7 +185,7 @@ def step_by_hand(llm: LLM, request: Request) -> tuple[StepRecord, dict[str, Any]
 
     Returns the step's record and what section 2 needs (block ids, slot ranges).
     """
-    core, _ = _parts(llm)
+    core, _ = engine_parts(llm)
     scheduler = core.scheduler
     blocks = scheduler.kv_cache_manager.get_block_ids
     before = request.num_computed_tokens
@@ -232,7 +221,7 @@ def _k_rows(runner: ModelRunner, slots: list[SlotRecord]) -> list[torch.Tensor]:
 
 def rejection_view(llm: LLM, request: Request, record: StepRecord, info: dict[str, Any]) -> RejectionView:
     """The slots the step wrote, each verified or a rejected draft, and the cache's state after it."""
-    core, _ = _parts(llm)
+    core, _ = engine_parts(llm)
     block_size = core.kv_cache_config.block_size
     table = info["block_ids_after"]
     inputs = [record.last_known[-1], *record.drafts]
@@ -328,7 +317,7 @@ def print_rejection(llm: LLM, view: RejectionView, record: StepRecord) -> None:
 
 def run_by_hand(llm: LLM, max_tokens: int) -> tuple[list[StepRecord], Request, RejectionView | None]:
     """Sections 1 and 2: one request, stepped by hand until it finishes."""
-    core, runner = _parts(llm)
+    core, runner = engine_parts(llm)
     engine = llm.llm_engine
     rendered = engine.renderer.render_chat([{"role": "user", "content": BY_HAND_PROMPT}])
     engine.add_rendered_request(REQUEST_ID, rendered, SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -396,12 +385,12 @@ def compare_speed(spec_llm: LLM, plain_llm: LLM, max_tokens: int, repeats: int) 
     for name, llm in engines.items():
         def count(output: Any, *_: Any, name: str = name) -> None:
             steps_seen[name] += output.total_num_scheduled_tokens > 0
-        tap(_parts(llm)[0].scheduler, "schedule", after=count)
+        tap(engine_parts(llm)[0].scheduler, "schedule", after=count)
     conversations = [[{"role": "user", "content": prompt}] for prompt in SPEED_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for llm in engines.values():  # warm-up: first-call costs stay out of the timing
         llm.chat(conversations[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    stats = _parts(spec_llm)[0].scheduler.spec_decoding_stats
+    stats = engine_parts(spec_llm)[0].scheduler.spec_decoding_stats
     assert stats is not None
     start_stats = _copy_stats(stats)
     best: dict[str, float] = {}
@@ -475,7 +464,7 @@ def main(argv: list[str] | None = None) -> Ch09Result:
         print_rejection(spec_llm, view, steps[view.step])
 
     console.rule("3. Acceptance per position and the mean acceptance length")
-    live = _parts(spec_llm)[0].scheduler.spec_decoding_stats
+    live = engine_parts(spec_llm)[0].scheduler.spec_decoding_stats
     assert live is not None
     stats = _copy_stats(live)
     console.print(stats_table(stats))
