@@ -42,6 +42,7 @@ accept/reject and the recovered-token passes), after Leviathan et al. 2023
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,9 @@ class RejectionSamplerOutput:
     """Per request, the tokens emitted (kept drafts, then one of the target's own)."""
 
     emitted_token_ids: list[list[int]]
+    # Each request's first logits row: request i owns rows first_rows[i] ..
+    # first_rows[i] + k_i (its k_i drafts' positions, then the last one).
+    first_rows: list[int]
     # One row per scored position, as the logits came in; the emitted tokens'
     # logprobs are in each request's first len(emitted) rows. None: none asked.
     logprobs_tensors: LogprobsTensors | None
@@ -85,23 +89,21 @@ class RejectionSampler:
         # argmax the plain sampler takes, so the text cannot change.
         probs = logits if metadata.all_greedy else Sampler.compute_probs(logits, metadata)
         is_greedy = metadata.greedy_mask.tolist()
+        first_rows = [0, *itertools.accumulate(len(drafts) + 1 for drafts in draft_token_ids)][:-1]
         emitted: list[list[int]] = []
-        row = 0
-        for drafts, generator in zip(draft_token_ids, generators):
+        for drafts, generator, row in zip(draft_token_ids, generators, first_rows):
             rows = slice(row, row + len(drafts) + 1)
             target = logits[rows] if is_greedy[row] else probs[rows]
             emitted.extend(rejection_sample([drafts], target, [is_greedy[row]], None, generator))
-            row += len(drafts) + 1
         if raw_logprobs is None or metadata.max_num_logprobs is None:
-            return RejectionSamplerOutput(emitted, None)
+            return RejectionSamplerOutput(emitted, first_rows, None)
         # Score the emitted token at each of a request's first rows; rows past
         # them are never read, so their argmax is as good a filler as any.
         chosen = raw_logprobs.argmax(dim=-1)
-        row = 0
-        for drafts, tokens in zip(draft_token_ids, emitted):
+        for tokens, row in zip(emitted, first_rows):
             chosen[row : row + len(tokens)] = torch.tensor(tokens)
-            row += len(drafts) + 1
-        return RejectionSamplerOutput(emitted, gather_logprobs(raw_logprobs, metadata.max_num_logprobs, chosen))
+        logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, chosen)
+        return RejectionSamplerOutput(emitted, first_rows, logprobs)
 
 
 def rejection_sample(

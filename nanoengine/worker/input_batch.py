@@ -12,6 +12,7 @@ vLLM 0.32 counterpart: ``vllm/v1/worker/gpu_input_batch.py`` (``CachedRequestSta
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -210,7 +211,7 @@ def prepare_inputs(
     if len(query_rows) > len(states):  # verifications: one block-table row per query
         block_table = block_table[torch.tensor(query_rows)]
     # Requests arrive decodes first, so the decodes are the leading run of one-token queries.
-    query_lens = [end - begin for begin, end in zip(query_start_loc, query_start_loc[1:])]
+    query_lens = [end - begin for begin, end in itertools.pairwise(query_start_loc)]
     num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
     attn_metadata = AttentionMetadata(
         num_actual_tokens=len(input_ids),

@@ -451,14 +451,11 @@ class ModelRunner:
         metadata = make_sampling_metadata(row_states, self.model_config.vocab_size, self.default_generator)
         generators = [state.generator or self.default_generator for state in states]
         output = self.rejection_sampler(drafts, logits, metadata, generators)
-        first_rows: list[int] = []
-        row = 0
         for state, request_drafts, tokens in zip(states, drafts, output.emitted_token_ids):
             state.num_computed_tokens -= len(request_drafts) + 1 - len(tokens)
-            first_rows.append(row)
-            row += len(request_drafts) + 1
         counts = [len(tokens) for tokens in output.emitted_token_ids]
-        return output.emitted_token_ids, _logprobs_by_request(states, output.logprobs_tensors, first_rows, counts)
+        logprobs = _logprobs_by_request(states, output.logprobs_tensors, output.first_rows, counts)
+        return output.emitted_token_ids, logprobs
 
     def propose_draft_token_ids(self, states: list[CachedRequestState]) -> DraftTokenIds:
         """Chapter 9: the drafts for each request that just sampled, from its tokens so far."""
