@@ -377,6 +377,32 @@ def test_language_switcher_leads_to_the_same_page_in_the_other_edition(base_url:
     assert back.get("en", "").rstrip("/").endswith("/chapters/ch03"), back
 
 
+def test_each_edition_writes_its_own_pages_in_its_own_language(site: Path) -> None:
+    """Every page outside zh/ is English, every page under it Chinese: the
+    generated API reference and source pages too, which both editions once
+    wrote to the same addresses (the Chinese build won)."""
+    wrong = []
+    for page in _pages(site):
+        lang = re.search(r'<html lang="([^"]+)"', page.read_text(encoding="utf-8"))
+        want = "zh" if page.relative_to(site).parts[0] == "zh" else "en"
+        if lang is None or lang[1] != want:
+            wrong.append(f"{page.relative_to(site)}: lang={lang and lang[1]!r}, want {want!r}")
+    assert not wrong, "\n".join(wrong[:20])
+    for kind in ("reference/nanoengine.engine.core", "source/nanoengine/engine/core.py"):
+        assert (site / "zh" / kind / "index.html").is_file(), f"the Chinese edition has no {kind} page"
+
+
+def test_a_generated_pages_switcher_leads_to_its_twin(base_url: str, browser: Browser) -> None:
+    switch = "Object.fromEntries([...document.querySelectorAll('a.md-select__link')].map(a => [a.hreflang, a.href]))"
+    for english, chinese in (("reference/nanoengine.engine.core/", "zh/reference/nanoengine.engine.core/"),
+                             ("source/nanoengine/engine/core.py/", "zh/source/nanoengine/engine/core.py/")):
+        assert browser.open(base_url + english) == []
+        assert browser.evaluate("document.documentElement.lang") == "en"
+        assert browser.evaluate(switch) == {"en": base_url + english, "zh": base_url + chinese}
+        assert browser.open(base_url + chinese) == []
+        assert browser.evaluate(switch) == {"en": base_url + english, "zh": base_url + chinese}
+
+
 def test_a_chinese_page_renders_its_mermaid_diagram(base_url: str, browser: Browser) -> None:
     # open() reports any diagram left unrendered, and any console error.
     assert browser.open(base_url + "zh/chapters/ch05/") == []

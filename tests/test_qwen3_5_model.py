@@ -42,7 +42,11 @@ VOCAB = 128
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64
 NUM_SLOTS = 8
-ATOL = 1e-4
+# fp32 logits of a chunked delta rule carry rounding that grows with the prompt:
+# on a 70-token prompt HF's own fp32 logits sit up to 1.1e-4 from a float64 run
+# (Intel Xeon with AMX; about half that on AMD EPYC), ours up to 1.9e-4. A wrong
+# gate, decay or state hand-over moves logits by 1e-2 or more.
+ATOL = 5e-4
 
 
 def tiny_text_config(layer_types: list[str], tie: bool = False) -> Qwen3_5TextConfig:

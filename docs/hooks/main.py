@@ -84,8 +84,24 @@ def _tp_layer_diagram() -> str:
     return layer_diagram()
 
 
+def _forget_the_other_editions_anchors(config: Any) -> None:
+    """Start the autorefs registry afresh for each edition.
+
+    The i18n plugin builds the Chinese edition with the same plugin objects
+    after the English one, so autorefs would still hold every English API
+    anchor and find two pages for each name. autorefs has no public reset: its
+    maps are emptied here, as a new plugin object would have them.
+    """
+    autorefs = config.plugins.get("autorefs")
+    if autorefs is None:
+        return
+    for registry in ("_primary_url_map", "_secondary_url_map", "_title_map", "_breadcrumbs_map", "_backlinks"):
+        getattr(autorefs, registry).clear()
+
+
 def on_config(config: Any) -> Any:
     code_regions.clear_cache()
+    _forget_the_other_editions_anchors(config)
     _glossary_words_for_search()
     nav = config["nav"]
     entry = next((item for item in nav if isinstance(item, dict) and "API reference" in item), None)
@@ -98,25 +114,75 @@ def on_config(config: Any) -> Any:
 def _source_page(path: Path) -> str:
     text = (ROOT / path).read_text(encoding="utf-8")
     fence = "`" * max(4, max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
-    return f"# `{path.as_posix()}`\n\n{fence}{code_regions.language_of(path)} linenums=\"1\"\n{text}\n{fence}\n"
+    # Left out of the search index: the API reference already indexes every
+    # name, and parsing 130-odd highlighted files took most of the index's time.
+    front_matter = "---\nsearch:\n  exclude: true\n---\n"
+    return (f"{front_matter}# `{path.as_posix()}`\n\n"
+            f"{fence}{code_regions.language_of(path)} linenums=\"1\"\n{text}\n{fence}\n")
+
+
+def _edition(config: Any) -> str:
+    """The folder of the edition being built: "" for English, "zh/" for Chinese.
+
+    mkdocs-static-i18n runs the whole build once per language, into one site
+    folder; the Chinese build writes its pages under ``zh/``.
+    """
+    i18n = config.plugins.get("i18n")
+    if i18n is None or i18n.current_language in (None, i18n.default_language):
+        return ""
+    return f"{i18n.current_language}/"
+
+
+def _generated(config: Any, src_uri: str, content: str) -> File:
+    """A page with no file in docs/, written into the edition being built.
+
+    Its src_uri is the same in both editions (the nav names it so), while its
+    address carries the edition's folder: each edition has its own copy, in its
+    own language's interface, and neither build overwrites the other's.
+    """
+    page = File.generated(config, src_uri, content=content)
+    page.dest_uri = _edition(config) + page.dest_uri  # before anything reads url or abs_dest_path
+    return page
 
 
 # After the i18n plugin (priority -100) has sorted the hand-written pages into
-# their language: these generated pages have no source file, which it cannot
-# take, and every edition gets the same ones.
+# their language: these generated pages have no source file, which it cannot take.
 @event_priority(-200)
 def on_files(files: Files, config: Any) -> Files:
     _SOURCE_URLS.clear()
     for path in code_regions.shown_files():
-        source_file = File.generated(config, f"source/{path.as_posix()}.md", content=_source_page(path))
+        source_file = _generated(config, f"source/{path.as_posix()}.md", _source_page(path))
         files.append(source_file)
         _SOURCE_URLS[path.as_posix()] = source_file.url
     for name in _modules():
         # The heading's id is the module's dotted name, so ``[text][nanoengine.serial_utils]``
         # links the module itself (the mkdocstrings root heading, hidden here, would not).
         page = f"# `{name}` {{ #{name} }}\n\n::: {name}\n"
-        files.append(File.generated(config, f"{REFERENCE_DIR}/{name}.md", content=page))
+        files.append(_generated(config, f"{REFERENCE_DIR}/{name}.md", page))
     return files
+
+
+def _is_generated(page: Page) -> bool:
+    return page.file.src_uri.startswith(("source/", f"{REFERENCE_DIR}/"))
+
+
+def on_page_context(context: Any, page: Page, config: Any, nav: Any) -> Any:
+    """The language switcher of a generated page leads to its twin in the other edition.
+
+    mkdocs-static-i18n points the switcher of each hand-written page at its
+    translation, but leaves generated pages with whatever the previous page set.
+    """
+    i18n = config.plugins.get("i18n")
+    if i18n is None or not _is_generated(page) or not i18n.extra_alternate:
+        return context
+    path = page.url.removeprefix(_edition(config))
+    twins = [
+        {**alternate, "link": ("" if alternate["lang"] == i18n.default_language else f"{alternate['lang']}/") + path}
+        for alternate in i18n.extra_alternate
+    ]
+    # The i18n plugin sets the attribute, which the theme's template reads first.
+    config.extra.alternate = twins
+    return context
 
 
 # ------------------------------------------------------------------------ macros
@@ -177,7 +243,7 @@ def _expand(match: re.Match[str], page: Page) -> str:
 
 
 def on_page_markdown(markdown: str, page: Page, config: Any, files: Files) -> str:
-    if page.file.src_uri.startswith(("source/", f"{REFERENCE_DIR}/")):
+    if _is_generated(page):
         return markdown
     try:
         return _MACRO.sub(lambda match: _expand(match, page), markdown)
