@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rich.console import Console
+from rich.panel import Panel
 from rich.table import Table
 
 from chapters.i18n import chinese_heading, introductions
@@ -42,6 +43,10 @@ class ChapterConsole(Console):
                 obj.title = self._heading(obj.title)
         super().print(*objects, **kwargs)
 
+    def note(self, english: str, chinese: str) -> None:
+        """A remark beside the output, in the walkthrough's language."""
+        self.print(Panel(chinese if self.language == "zh" else english))
+
     def _heading(self, title: Any) -> Any:
         if self.language != "zh" or not isinstance(title, str):
             return title
@@ -61,7 +66,9 @@ class ChapterParser(argparse.ArgumentParser):
         parsed = super().parse_args(*args, **kwargs)
         console.language = parsed.lang
         if parsed.lang == "zh":
-            console.rule(introductions().get(self.module, self.module))
+            # A panel wraps the paragraph at the console's width; a rule's title
+            # is one line and would be cut off.
+            console.print(Panel(introductions().get(self.module, self.module)))
         return parsed
 
 
@@ -73,6 +80,26 @@ T = TypeVar("T")
 # The two prompts of the study notes (chapters 1 and 5 use them verbatim).
 SEED_PROMPTS = ["你好，请用一句话介绍你自己", "写一个把列表倒序的 Python 函数"]
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def note_on_chinese_prompts(model: str) -> None:
+    """Say, beside the answers to the notes' Chinese prompts, that the default model speaks
+    English only, so that its emoji and fragments read as the model's limit, not the engine's."""
+    if "SmolLM2" not in model:
+        return
+    console.note(
+        "The first two prompts are the study notes' own, in Chinese. SmolLM2-135M-Instruct was trained on "
+        "English text, so what it writes for them (emoji, English fragments) is the limit of a 135M English "
+        "model, not a fault of the engine: its greedy tokens are HF transformers' tokens "
+        "(tests/test_engine_parity.py). The notes' Qwen/Qwen3.5-0.8B was trained on Chinese as well and "
+        "would answer them in Chinese; its weights are not on this machine, so chapter 4 runs its real "
+        "shapes with random weights (load_format=\"dummy\").",
+        "前两个 prompt 是学习笔记里的原句，是中文的。SmolLM2-135M-Instruct 只用英文文本训练过，"
+        "它对这两句写出的东西（表情符号、零碎的英文）是一个 135M 英文小模型的极限，不是引擎出了错："
+        "它贪心生成的 token 和 HF transformers 的完全一样（tests/test_engine_parity.py）。"
+        "笔记用的 Qwen/Qwen3.5-0.8B 也用中文训练过，会用中文回答这两句；"
+        "这台机器上没有它的权重，所以第 4 章用 dummy 权重跑它真实的形状（load_format=\"dummy\"）。",
+    )
 
 
 def engine_parts(llm: LLM) -> tuple[EngineCore, ModelRunner]:

@@ -14,6 +14,7 @@ from chapters._common import (
     base_parser,
     console,
     construction_table,
+    note_on_chinese_prompts,
     roles_table,
     timed,
 )
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     for output in outputs:
         completion = output.outputs[0]
         console.print(f"[bold]{output.prompt!r}[/] -> {completion.text!r} ({completion.finish_reason})")
+    note_on_chinese_prompts(args.model)
 
     console.rule("Two lines, two jobs")
     console.print(f"LLM(...)      took {build_seconds:6.2f} s: it decides how many requests can run at once.")

@@ -27,7 +27,15 @@ from statistics import mean
 from rich.markup import escape
 from rich.table import Table
 
-from chapters._common import SEED_PROMPTS, base_parser, console, construction_table, roles_table, timed
+from chapters._common import (
+    SEED_PROMPTS,
+    base_parser,
+    console,
+    construction_table,
+    note_on_chinese_prompts,
+    roles_table,
+    timed,
+)
 from chapters.ch05_source_map import (
     VllmMap,
     drift_table,
@@ -177,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             f"[bold]{escape(prompt)}[/]\n  -> {escape(repr(completion.text.strip()))} "
             f"{escape(f'[{completion.finish_reason}]')}"
         )
+    note_on_chinese_prompts(args.model)
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     console.print(
         f"generate took {run_seconds:.2f} s for {generated} tokens ({generated / run_seconds:.1f} tok/s)."

@@ -3,6 +3,7 @@
     python -m chapters.grade 4.1 [--model DIR]     # grade chapters/exercises/ex4_1.py
     python -m chapters.grade --all
     python -m chapters.grade 4.1 --reset            # put back the untouched stub of 4.1
+    python -m chapters.grade 4.1 --lang zh          # the grader's words and check names in Chinese
 
 For the duration of grading, the student's function replaces the reference one
 wherever the engine can reach it: a method is set on its class (re-wrapped in
@@ -40,8 +41,8 @@ from typing import Any
 
 from chapters.exercise_stubs import reset_stub
 from chapters.exercises import REPO_ROOT, Exercise, find_exercises
-from chapters.grade_checks import CHECKS, Check
-from chapters.grade_messages import describe_difference, describe_exception
+from chapters.grade_checks import CHECKS, Check, chinese_check
+from chapters.grade_messages import ENGLISH, WORDING, Wording, describe_difference, describe_exception
 
 _SWAPPABLE_PACKAGES = ("nanoengine", "chapters")
 
@@ -100,6 +101,10 @@ def swapped_in(exercise: Exercise, candidate: Callable[..., Any]) -> Iterator[No
 class DidNotReturn(Exception):
     """A check ran past its deadline: the student's code is probably blocked."""
 
+    def __init__(self, deadline_s: float) -> None:
+        super().__init__(ENGLISH.did_not_return.format(seconds=deadline_s))
+        self.deadline_s = deadline_s
+
 
 # Seconds between two "still running" lines while a check runs.
 _PROGRESS_EVERY_S = 10.0
@@ -129,10 +134,7 @@ def run_with_deadline(
     while worker.is_alive():
         waited = time.monotonic() - start
         if waited >= deadline_s:
-            raise DidNotReturn(
-                f"did not return within {deadline_s:.0f} s -- a blocking call? (a wait with no timeout, "
-                "or a synchronous call inside an async def, never returns)"
-            )
+            raise DidNotReturn(deadline_s)
         worker.join(min(_PROGRESS_EVERY_S, deadline_s - waited))
         if worker.is_alive() and still_running is not None:
             still_running(time.monotonic() - start)
@@ -153,6 +155,7 @@ def _run_check(
     candidate: Callable[..., Any],
     model: str,
     still_running: Callable[[float], None] | None = None,
+    words: Wording = ENGLISH,
 ) -> CheckResult:
     expected = _reference_result(exercise.exercise_id, check.name, model)
     try:
@@ -161,10 +164,10 @@ def _run_check(
         with swapped_in(exercise, candidate):
             actual = run_with_deadline(lambda: check.run(model), check.deadline_s, still_running)
     except DidNotReturn as exc:
-        return CheckResult(check.name, False, str(exc))
+        return CheckResult(check.name, False, words.did_not_return.format(seconds=exc.deadline_s))
     except Exception as exc:  # noqa: BLE001 -- any failure of the candidate is a failed check
-        return CheckResult(check.name, False, describe_exception(exc, _source_file(candidate)))
-    differences = describe_difference(expected, actual)
+        return CheckResult(check.name, False, describe_exception(exc, _source_file(candidate), words))
+    differences = describe_difference(expected, actual, words)
     return CheckResult(check.name, not differences, "\n".join(differences))
 
 
@@ -182,6 +185,7 @@ def iter_grade(
     candidate: Callable[..., Any],
     model: str,
     still_running: Callable[[float], None] | None = None,
+    words: Wording = ENGLISH,
 ) -> Iterator[CheckResult]:
     """Each check of one exercise in order, run with ``candidate`` swapped in, as it finishes."""
     exercises = find_exercises()
@@ -191,7 +195,7 @@ def iter_grade(
         raise ValueError(f"Exercise {exercise_id} is named in EXERCISE_TARGETS but has no checks in "
                          "chapters/grade_checks/.")
     for check in CHECKS[exercise_id]:
-        yield _run_check(exercises[exercise_id], check, candidate, model, still_running)
+        yield _run_check(exercises[exercise_id], check, candidate, model, still_running, words)
 
 
 def grade(
@@ -211,33 +215,36 @@ def grade(
     return results
 
 
-def models_used(exercise_id: str, model: str) -> str:
+def models_used(exercise_id: str, model: str, words: Wording = ENGLISH) -> str:
     """What the exercise's checks run on, in words: "no model (unit check), ..."."""
-    return ", ".join(dict.fromkeys(check.runs_on(model) for check in CHECKS[exercise_id]))
+    return ", ".join(dict.fromkeys(check.runs_on(model, words.unit_check) for check in CHECKS[exercise_id]))
 
 
-def list_checks(exercise_id: str, model: str) -> list[str]:
+def check_name(exercise_id: str, name: str, words: Wording = ENGLISH) -> str:
+    """A check's name in the grader's language."""
+    return chinese_check(exercise_id, name)[0] if words is WORDING["zh"] else name
+
+
+def list_checks(exercise_id: str, model: str, words: Wording = ENGLISH) -> list[str]:
     """One line per check: its name, what it runs on, its deadline (``--list``)."""
-    return [f"  {check.name}  [{check.runs_on(model)}; at most {check.deadline_s:.0f} s]"
+    return [words.list_line.format(name=check_name(exercise_id, check.name, words),
+                                   runs_on=check.runs_on(model, words.unit_check), seconds=check.deadline_s)
             for check in CHECKS[exercise_id]]
 
 
-def _report(exercise_id: str, results: Iterator[CheckResult], model: str) -> bool:
+def _report(exercise_id: str, results: Iterator[CheckResult], model: str, words: Wording) -> bool:
     """Print each check's result the moment it is known (an end-to-end check builds an engine)."""
-    checks = len(CHECKS[exercise_id])
-    print(f"Exercise {exercise_id}: {checks} checks, on {models_used(exercise_id, model)}", flush=True)
+    print(words.header.format(exercise=exercise_id, count=len(CHECKS[exercise_id]),
+                              models=models_used(exercise_id, model, words)), flush=True)
     passed = True
     for result in results:
         passed = passed and result.passed
-        print(f"  [{'ok' if result.passed else 'FAIL'}] {result.name}", flush=True)
+        mark = words.check_ok if result.passed else words.failed
+        print(f"  [{mark}] {check_name(exercise_id, result.name, words)}", flush=True)
         if result.detail:
             print("        " + result.detail.replace("\n", "\n        "), flush=True)
-    print(f"Exercise {exercise_id}: {'PASS' if passed else 'FAIL'}")
+    print(words.verdict.format(exercise=exercise_id, verdict=words.passed if passed else words.failed))
     return passed
-
-
-def _print_still_running(seconds: float) -> None:
-    print(f"        ... still running ({seconds:.0f} s)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,7 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the checks (what each runs on), grade nothing")
     parser.add_argument("--reset", action="store_true",
                         help="put back the untouched stub of this one exercise (your code in it is lost)")
+    parser.add_argument("--lang", choices=tuple(WORDING), default="en",
+                        help="zh: the grader's words and the check names in Chinese (the data shown stays as it is)")
     args = parser.parse_args(argv)
+    words = WORDING[args.lang]
     exercises = find_exercises()
     if args.all == (args.exercise is not None):
         parser.error(f"give one exercise id or --all; exercises: {', '.join(exercises)}")
@@ -261,20 +271,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.all:
             parser.error("--reset takes one exercise id, so that no other answer is lost")
         path = reset_stub(exercises[args.exercise])
-        print(f"Exercise {args.exercise}: {path.relative_to(REPO_ROOT)} is the untouched stub again.")
+        print(words.stub_reset.format(exercise=args.exercise, path=path.relative_to(REPO_ROOT)))
         return 0
     ids = list(exercises) if args.all else [args.exercise]
     if args.list:
         for exercise_id in ids:
-            print(f"Exercise {exercise_id} ({len(CHECKS[exercise_id])} checks):")
-            print("\n".join(list_checks(exercise_id, args.model)))
+            print(words.list_header.format(exercise=exercise_id, count=len(CHECKS[exercise_id])))
+            print("\n".join(list_checks(exercise_id, args.model, words)))
         return 0
     ok = True
     for exercise_id in ids:
         exercise = exercises[exercise_id]
         candidate = reference_function(exercise) if args.reference else student_function(exercise)
-        results = iter_grade(exercise_id, candidate, args.model, still_running=_print_still_running)
-        ok = _report(exercise_id, results, args.model) and ok
+        def still_running(seconds: float) -> None:
+            print(words.still_running.format(seconds=seconds), flush=True)
+
+        results = iter_grade(exercise_id, candidate, args.model, still_running, words)
+        ok = _report(exercise_id, results, args.model, words) and ok
     return 0 if ok else 1
 
 

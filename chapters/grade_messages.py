@@ -10,12 +10,17 @@ raises, ``describe_exception`` names the exception, its message (or, for a
 bare ``assert``, the failing line itself) and the line of the student's file
 it came from.
 
+The grader's own words come in two languages (``WORDING["en"]``,
+``WORDING["zh"]``, picked by ``--lang``); the labels and values a check
+returns are data and are shown as they are.
+
 vLLM 0.32 counterpart: none (teaching material).
 """
 
 from __future__ import annotations
 
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,38 +35,120 @@ _SHOW_WHOLE_CHARS = 100
 _MAX_DIFFERENCES = 12
 
 
-def describe_difference(expected: Any, actual: Any) -> list[str]:
+@dataclass(frozen=True)
+class Wording:
+    """Everything the grader says in one language, as format strings."""
+
+    differs: str  # {where} {expected} {got}
+    missing: str  # {where} {expected}
+    not_expected: str  # {where} {got}
+    the_result: str
+    one_more_place: str  # one differing place past the ones listed
+    more_places: str  # {count}: differing places past the ones listed
+    raised: str  # {name} {message}
+    no_message: str
+    in_your_code: str  # {where}
+    raised_at: str  # {where}
+    did_not_return: str  # {seconds}
+    header: str  # {exercise} {count} {models}
+    verdict: str  # {exercise} {verdict}
+    passed: str  # an exercise's verdict, and one check's mark
+    failed: str
+    check_ok: str
+    still_running: str  # {seconds}
+    list_header: str  # {exercise} {count}
+    list_line: str  # {name} {runs_on} {seconds}
+    unit_check: str  # what a unit check runs on
+    stub_reset: str  # {exercise} {path}
+
+
+WORDING = {
+    "en": Wording(
+        differs="{where}: expected {expected}, got {got}",
+        missing="{where}: missing (expected {expected})",
+        not_expected="{where}: not expected (got {got})",
+        the_result="the result",
+        one_more_place="... and 1 more differing place",
+        more_places="... and {count} more differing places",
+        raised="raised {name}: {message}",
+        no_message="(no message)",
+        in_your_code="  in your code at {where}",
+        raised_at="  raised at {where}",
+        did_not_return=("did not return within {seconds:.0f} s -- a blocking call? (a wait with no timeout, "
+                        "or a synchronous call inside an async def, never returns)"),
+        header="Exercise {exercise}: {count} checks, on {models}",
+        verdict="Exercise {exercise}: {verdict}",
+        passed="PASS",
+        failed="FAIL",
+        check_ok="ok",
+        still_running="        ... still running ({seconds:.0f} s)",
+        list_header="Exercise {exercise} ({count} checks):",
+        list_line="  {name}  [{runs_on}; at most {seconds:.0f} s]",
+        unit_check="no model (unit check)",
+        stub_reset="Exercise {exercise}: {path} is the untouched stub again.",
+    ),
+    "zh": Wording(
+        differs="{where}：应为 {expected}，实际为 {got}",
+        missing="{where}：缺少这一项（应为 {expected}）",
+        not_expected="{where}：多出这一项（得到 {got}）",
+        the_result="结果",
+        one_more_place="……另有 1 处不同",
+        more_places="……另有 {count} 处不同",
+        raised="抛出 {name}：{message}",
+        no_message="（没有消息）",
+        in_your_code="  出自你的代码：{where}",
+        raised_at="  抛出位置：{where}",
+        did_not_return=("{seconds:.0f} 秒内没有返回——是不是有阻塞调用？（没有超时的等待，"
+                        "或者 async def 里的同步调用，都不会返回）"),
+        header="练习 {exercise}：{count} 个检查项，运行在 {models} 上",
+        verdict="练习 {exercise}：{verdict}",
+        passed="通过",
+        failed="未通过",
+        check_ok="通过",
+        still_running="        ……仍在运行（{seconds:.0f} 秒）",
+        list_header="练习 {exercise}（{count} 个检查项）：",
+        list_line="  {name}  [{runs_on}；最多 {seconds:.0f} 秒]",
+        unit_check="不用模型（单元检查）",
+        stub_reset="练习 {exercise}：{path} 已恢复成未改动的 stub。",
+    ),
+}
+ENGLISH = WORDING["en"]
+
+
+def describe_difference(expected: Any, actual: Any, words: Wording = ENGLISH) -> list[str]:
     """One line per place where ``actual`` differs from ``expected`` (empty when equal)."""
-    lines = _differences(expected, actual, "")
+    lines = _differences(expected, actual, "", words)
     if len(lines) > _MAX_DIFFERENCES:
         hidden = len(lines) - _MAX_DIFFERENCES
-        lines = [*lines[:_MAX_DIFFERENCES], f"... and {hidden} more differing place{'s' * (hidden > 1)}"]
+        more = words.one_more_place if hidden == 1 else words.more_places.format(count=hidden)
+        lines = [*lines[:_MAX_DIFFERENCES], more]
     return lines
 
 
-def _differences(expected: Any, actual: Any, path: str) -> list[str]:
+def _differences(expected: Any, actual: Any, path: str, words: Wording) -> list[str]:
     if expected == actual:
         return []
     if isinstance(expected, dict) and isinstance(actual, dict):
-        return _dict_differences(expected, actual, path)
+        return _dict_differences(expected, actual, path, words)
     same_shape = type(expected) is type(actual) and isinstance(expected, list | tuple)
     if same_shape and len(expected) == len(actual) and len(repr(expected)) > _SHOW_WHOLE_CHARS:
         found: list[str] = []
         for index, (want, got) in enumerate(zip(expected, actual)):
-            found += _differences(want, got, f"{path}[{index}]")
+            found += _differences(want, got, f"{path}[{index}]", words)
         return found
-    return [f"{path or 'the result'}: expected {expected!r}, got {actual!r}"]
+    return [words.differs.format(where=path or words.the_result, expected=repr(expected), got=repr(actual))]
 
 
-def _dict_differences(expected: dict[Any, Any], actual: dict[Any, Any], path: str) -> list[str]:
+def _dict_differences(expected: dict[Any, Any], actual: dict[Any, Any], path: str, words: Wording) -> list[str]:
     found: list[str] = []
     for key, want in expected.items():
         label = _label(path, key)
         if key not in actual:
-            found.append(f"{label}: missing (expected {want!r})")
+            found.append(words.missing.format(where=label, expected=repr(want)))
         else:
-            found += _differences(want, actual[key], label)
-    found += [f"{_label(path, key)}: not expected (got {got!r})" for key, got in actual.items() if key not in expected]
+            found += _differences(want, actual[key], label, words)
+    found += [words.not_expected.format(where=_label(path, key), got=repr(got))
+              for key, got in actual.items() if key not in expected]
     return found
 
 
@@ -72,7 +159,7 @@ def _label(path: str, key: Any) -> str:
     return f"{path}[{key!r}]"
 
 
-def describe_exception(error: BaseException, candidate_file: Path | None) -> str:
+def describe_exception(error: BaseException, candidate_file: Path | None, words: Wording = ENGLISH) -> str:
     """The exception, its message (or the failing line), and where in the candidate it arose."""
     frames = traceback.extract_tb(error.__traceback__)
     raised_at = frames[-1] if frames else None
@@ -82,16 +169,16 @@ def describe_exception(error: BaseException, candidate_file: Path | None) -> str
         # its message says what happened; its class name would say nothing more.
         lines = [message]
     else:
-        lines = [f"raised {type(error).__name__}: {message or '(no message)'}"]
+        lines = [words.raised.format(name=type(error).__name__, message=message or words.no_message)]
     in_candidate = [f for f in frames if candidate_file is not None and Path(f.filename) == candidate_file]
     if in_candidate:
-        lines.append(f"  in your code at {_where(in_candidate[-1])}")
+        lines.append(words.in_your_code.format(where=_where(in_candidate[-1])))
     # Where it was raised, when that says something: an engine line your code
     # called, say. The grader's own stand-ins and checks are not shown: their
     # message already says what your code did.
     shown = raised_at is not None and not _is_grader_code(raised_at)
     if shown and raised_at is not None and (not in_candidate or raised_at is not in_candidate[-1]):
-        lines.append(f"  raised at {_where(raised_at)}")
+        lines.append(words.raised_at.format(where=_where(raised_at)))
     return "\n".join(lines)
 
 

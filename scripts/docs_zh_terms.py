@@ -23,6 +23,7 @@ tool of the docs site); vLLM 0.32 counterpart: none.
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 from collections.abc import Iterator
@@ -132,7 +133,7 @@ def line_break_problems(paths: list[Path] | None = None) -> list[Problem]:
     for path in sorted((ROOT / "docs").rglob("*.zh.md")) if paths is None else paths:
         lines = path.read_text(encoding="utf-8").splitlines()
         in_fence = False
-        for number, (line, following) in enumerate(zip(lines, lines[1:], strict=False), start=1):
+        for number, (line, following) in enumerate(itertools.pairwise(lines), start=1):
             if line.lstrip().startswith(("```", "~~~")):
                 in_fence = not in_fence
             if in_fence or not line.strip() or not following.strip() or _BLOCK_START.match(following):

@@ -12,7 +12,7 @@ from tiny_models import make_tiny_model_dir
 # Two cores: let torch use both, and keep tokenizers from spawning its own pool.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(max(os.cpu_count() or 1, 1))
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(os.cpu_count() or 1, 1))
 # Without a GPU the Triton kernels run in Triton's interpreter, and the switch must
 # be on before anything imports triton.language (transformers may, when it builds
 # the tiny models), or Triton's own helper functions get compiled-mode wrappers.

@@ -8,10 +8,12 @@ page fails here until its translation is brought up to date and stamped.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import pytest
+from mkdocs_config import load_mkdocs_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import docs_i18n
@@ -21,6 +23,38 @@ def test_every_english_page_has_a_chinese_page_in_step() -> None:
     found = [problem for page in docs_i18n.english_pages() for problem in docs_i18n.problems(page)]
     assert not found, "\n".join(found)
     assert len(docs_i18n.english_pages()) >= 28  # home, 8 chapters, 4 reference pages, 16 exercise pages
+
+
+def _chinese_nav_titles() -> dict[str, str]:
+    """Page path -> its title in the Chinese navigation (mkdocs.yml's nav_translations)."""
+    config = load_mkdocs_config()
+    (i18n,) = [plugin["i18n"] for plugin in config["plugins"] if isinstance(plugin, dict) and "i18n" in plugin]
+    (chinese,) = [language for language in i18n["languages"] if language["locale"] == "zh"]
+    titles: dict[str, str] = {}
+
+    def walk(item: object) -> None:
+        for entry in item if isinstance(item, list) else [item]:
+            if isinstance(entry, dict):
+                for english, target in entry.items():
+                    if isinstance(target, str):
+                        titles[target] = chinese["nav_translations"].get(english, english)
+                    walk(target)
+
+    walk(config["nav"])
+    return titles
+
+
+def test_an_exercise_has_one_chinese_title_in_the_nav_and_on_its_page() -> None:
+    """The Chinese navigation names each exercise with its page's own title (code marks left out)."""
+    titles = _chinese_nav_titles()
+    exercises = sorted(path for path in titles if path.startswith("exercises/") and path != "exercises/index.md")
+    assert len(exercises) >= 16
+    for path in exercises:
+        number = Path(path).stem
+        heading = (docs_i18n.DOCS / path.replace(".md", docs_i18n.ZH_SUFFIX)).read_text(encoding="utf-8")
+        page_title = re.search(rf"^# 练习 {re.escape(number)} · (.+?) \{{#", heading, re.MULTILINE)
+        assert page_title is not None, f"{path}: its Chinese page has no heading '# 练习 {number} · ...'"
+        assert titles[path] == f"{number} {page_title[1].replace('`', '')}", path
 
 
 ENGLISH = """# Chapter 9 · A page

@@ -413,3 +413,59 @@ def test_chinese_search_finds_the_scheduler_on_chapter_three(base_url: str, brow
     assert browser.open(base_url + "zh/") == []
     results = browser.evaluate(SEARCH_RESULTS_JS % json.dumps("调度器"))
     assert any("/zh/chapters/ch03/" in href for href in results), results
+
+
+@pytest.mark.parametrize("query", ["prefill", "KV cache", "调度器"])
+def test_chinese_search_finds_a_chapter_for_the_notes_words(query: str, base_url: str, browser: Browser) -> None:
+    """The notes' own words, English ones included, lead a Chinese reader to a Chinese chapter page."""
+    assert browser.open(base_url + "zh/") == []
+    results = browser.evaluate(SEARCH_RESULTS_JS % json.dumps(query))
+    assert any("/zh/chapters/" in href for href in results), results
+
+
+class _ProseText(HTMLParser):
+    """The text of a page's prose (paragraphs, list items, table cells, headings inside
+    the article), each piece of code standing as one mark, the site's menus left out."""
+
+    PROSE = frozenset({"p", "li", "td", "th", "h1", "h2", "h3", "h4", "h5", "h6"})
+    CODE = frozenset({"code", "pre", "script", "style"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.article_depth = self.prose_depth = self.code_depth = 0
+        self.pieces: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.article_depth += tag == "article"
+        self.prose_depth += tag in self.PROSE
+        if tag in self.CODE:
+            self.code_depth += 1
+            self.pieces.append("\1")  # code stands between the words around it
+        if tag in self.PROSE:
+            self.pieces.append("\0")  # two blocks side by side are not one line of text
+
+    def handle_endtag(self, tag: str) -> None:
+        self.article_depth -= tag == "article" and self.article_depth > 0
+        self.prose_depth -= tag in self.PROSE and self.prose_depth > 0
+        self.code_depth -= tag in self.CODE and self.code_depth > 0
+        if tag in self.PROSE:
+            self.pieces.append("\0")
+
+    def handle_data(self, data: str) -> None:
+        if self.article_depth and self.prose_depth and not self.code_depth:
+            self.pieces.append(data)
+
+
+HAN_SPACE_HAN = re.compile(r"[\u4e00-\u9fff\u3000-\u303f\uff00-\uffef]\s+[\u4e00-\u9fff\u3000-\u303f\uff00-\uffef]")
+
+
+def test_no_chinese_paragraph_shows_a_space_between_two_characters(site: Path) -> None:
+    """A line break inside a Chinese paragraph renders as a space; none may be left."""
+    found = []
+    for page in _pages(site / "zh"):
+        parser = _ProseText()
+        parser.feed(page.read_text(encoding="utf-8"))
+        text = "".join(parser.pieces)
+        found += [f"{page.relative_to(site)}: ...{text[max(m.start() - 12, 0):m.end() + 12]!r}..."
+                  for m in HAN_SPACE_HAN.finditer(text)]
+    assert not found, f"{len(found)} spaces between Chinese characters:\n" + "\n".join(found[:40])

@@ -14,9 +14,10 @@ import inspect
 import os
 
 import pytest
-import yaml
 from exercise_mutants import Mutant, ch1, ch3, ch4, ch4_hybrid, ch5, ch6, ch6_tensor_parallel, ch7, ch8, ch9
+from mkdocs_config import load_mkdocs_config
 
+import chapters.grade_checks.common
 from chapters.exercise_stubs import check as check_stubs
 from chapters.exercise_stubs import is_untouched, render_stub, reset_stub, write
 from chapters.exercises import REPO_ROOT, find_exercises
@@ -35,12 +36,7 @@ MIN_MUTANTS = 3
 
 
 def _nav_pages() -> set[str]:
-    class _Loader(yaml.SafeLoader):
-        pass
-
-    # mkdocs.yml names a Python function with a !!python/name tag; any value will do here.
-    _Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
-    config = yaml.load((REPO_ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=_Loader)
+    config = load_mkdocs_config()
     found: set[str] = set()
 
     def walk(item: object) -> None:
@@ -207,6 +203,40 @@ def test_grade_cli_reports_pass_and_fail(tiny_llama: str, capsys: pytest.Capture
     assert "Exercise 6.1: PASS" in out and "Exercise 6.1: FAIL" in out and "[FAIL] blocks from a byte budget" in out
 
 
+def test_grade_cli_speaks_chinese_with_lang_zh(tiny_llama: str, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import chapters.grade
+    from chapters.grade_checks import chinese_check
+
+    name = chinese_check("6.1", CHECKS["6.1"][0].name)[0]
+    monkeypatch.setattr(chapters.grade, "student_function",
+                        lambda exercise: lambda available_bytes, spec: available_bytes // spec.page_size_bytes + 1)
+    assert chapters.grade.main(["6.1", "--model", tiny_llama, "--lang", "zh"]) == 1
+    out = capsys.readouterr().out
+    assert "练习 6.1：" in out and "个检查项" in out and "练习 6.1：未通过" in out
+    assert f"[未通过] {name}" in out
+    assert "：应为 " in out and "，实际为 " in out  # what differs, in the grader's Chinese words
+    assert chapters.grade.main(["6.1", "--list", "--lang", "zh"]) == 0
+    assert "[不用模型（单元检查）；最多 30 秒]" in capsys.readouterr().out
+
+
+def test_every_check_has_a_chinese_name_and_inputs() -> None:
+    import re
+
+    from chapters.grade_checks import chinese_check
+    from chapters.grade_checks.zh import CHINESE
+
+    han = re.compile(r"[\u4e00-\u9fff]")
+    for exercise_id, checks in CHECKS.items():
+        for check in checks:
+            name, inputs = chinese_check(exercise_id, check.name)
+            assert han.search(name) and han.search(inputs), (exercise_id, check.name, name, inputs)
+            assert name.startswith("端到端：") == check.name.startswith("end to end"), (exercise_id, name)
+        stale = set(CHINESE.get(exercise_id, {})) - {check.name for check in checks}
+        assert not stale, f"chapters/grade_checks/zh.py names checks exercise {exercise_id} lacks: {stale}"
+    assert set(CHINESE) == set(CHECKS)
+
+
 def test_a_target_that_names_no_function_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     import chapters.exercises
 
@@ -232,9 +262,14 @@ def test_every_exercise_has_mutants_named_by_a_check(exercise_id: str) -> None:
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise_id}: {m.wrong_answer}")
-def test_grader_rejects_each_mutant_and_names_the_behaviour(mutant: Mutant, tiny_llama: str) -> None:
+def test_grader_rejects_each_mutant_and_names_the_behaviour(mutant: Mutant, tiny_llama: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     if STUDENT:
         pytest.skip("student mode grades the student's code, not the planted mistakes")
+    if "must not hang" in mutant.wrong_answer:
+        # A mutant that blocks is failed by the watchdog at the deadline; a unit
+        # check returns well within 5 s, so the test need not wait the full 30.
+        monkeypatch.setattr(chapters.grade_checks.common, "UNIT_CHECK_DEADLINE_S", 5.0)
     results = grade(mutant.exercise_id, mutant.function, tiny_llama, stop_at_first_failure=True)
     first_failure = results[-1]
     assert not first_failure.passed, f"the grader passed a wrong answer: {mutant.wrong_answer}"

@@ -7,12 +7,15 @@ each trace table's title), so a new heading without a Chinese form fails here.
 from __future__ import annotations
 
 import ast
+import io
+import re
 from pathlib import Path
 
 import pytest
 
+import chapters._common
 from chapters import ch05_skeleton
-from chapters._common import console
+from chapters._common import ChapterConsole, base_parser, console
 from chapters.i18n import chinese_heading, glossary_terms, introductions, term
 
 CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
@@ -53,15 +56,18 @@ def test_every_walkthrough_heading_has_a_chinese_form() -> None:
 
 
 def test_numbers_in_a_heading_are_kept() -> None:
-    assert chinese_heading("6. Tensor parallelism: Qwen/Qwen3-0.6B on 2 ranks") == "6. 张量并行：Qwen/Qwen3-0.6B 跑在 2 个秩上"
-    assert chinese_heading("2. 12 blocks of 4 tokens: preemption and recompute") == "2. 12 个块、每块 4 个令牌：抢占与重计算"
+    assert chinese_heading("6. Tensor parallelism: Qwen/Qwen3-0.6B on 2 ranks") == (
+        "6. 张量并行：Qwen/Qwen3-0.6B 跑在 2 个 rank（进程）上")
+    assert chinese_heading("2. 12 blocks of 4 tokens: preemption and recompute") == (
+        "2. 12 个 block，每个 4 个 token：抢占与重计算")
     assert chinese_heading("a heading nobody wrote") is None
 
 
 def test_terms_come_from_the_glossary() -> None:
     terms = glossary_terms()
-    assert terms["preemption"] == "抢占" and terms["kv cache manager"] == "KV 缓存管理器"
-    assert terms["all-reduce"] == "全规约" and terms["all-gather"] == "全收集"  # a row with two terms
+    assert terms["preemption"] == "抢占" and terms["kv cache manager"] == "KV cache 管理器"
+    assert terms["column-parallel"] == "列并行" and terms["all-gather"] == "all-gather"  # rows with two terms
+    assert terms["token"] == "token" and terms["rank"] == "rank（进程）"  # the notes keep token in English
     with pytest.raises(KeyError, match="no Chinese term for 'warp drive'"):
         term("warp drive")
     # Every walkthrough's introduction was built from those terms.
@@ -78,5 +84,37 @@ def test_ch05_in_chinese_keeps_its_english_output(tiny_llama: str, capsys: pytes
         console.language = "en"
     out = capsys.readouterr().out
     assert "第 5 章：引擎骨架" in out  # the introduction
-    assert "地图 1 —— LLM(...) 做的准备" in out and "print(llm)：分层的地图" in out  # headings
+    assert "地图 1：LLM(...) 在准备什么" in out and "print(llm)：分层地图" in out  # headings
     assert "LLMEngine" in out and "EngineCore" in out  # the tree itself stays as the code names it
+
+
+def _text_of(panel_output: str) -> str:
+    """What a panel printed, with its borders and line breaks taken out."""
+    return re.sub(r"[\s│╭╮╰╯─]", "", panel_output)
+
+
+@pytest.mark.parametrize("module", sorted(introductions()))
+def test_each_introduction_is_printed_whole_on_a_narrow_terminal(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 80 columns ``--lang zh`` wraps the introduction instead of cutting it off."""
+    narrow = ChapterConsole(width=80, record=True, file=io.StringIO())
+    monkeypatch.setattr(chapters._common, "console", narrow)
+    parser = base_parser("", module)
+    parser.parse_args(["--lang", "zh"])
+    printed = narrow.export_text()
+    assert max(len(line) for line in printed.splitlines()) <= 80
+    assert _text_of(introductions()[module]) in _text_of(printed)
+
+
+def test_the_notes_chinese_prompts_get_a_note_on_an_english_only_model(capsys: pytest.CaptureFixture[str]) -> None:
+    from chapters._common import note_on_chinese_prompts
+
+    note_on_chinese_prompts("SmolLM2-135M-Instruct")
+    assert "trained on English text" in capsys.readouterr().out
+    console.language = "zh"
+    try:
+        note_on_chinese_prompts("/models/SmolLM2-135M-Instruct")
+    finally:
+        console.language = "en"
+    assert "只用英文文本训练过" in _text_of(capsys.readouterr().out)
+    note_on_chinese_prompts("/tmp/tiny-llama")  # a model the note does not describe: nothing said
+    assert capsys.readouterr().out == ""

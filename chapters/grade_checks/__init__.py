@@ -11,8 +11,9 @@ One module per chapter holds its exercises' checks (``ch4.py``: exercises 4.1,
 4.2 and 4.3; chapter 4's hybrid-model exercises 4.4 and 4.5 have
 ``ch4_hybrid.py``; chapter 6's tensor-parallel exercise 6.2 has
 ``ch6_tensor_parallel.py``); ``common.py`` holds what they share,
-``tiny_model.py`` writes the tiny models their end-to-end runs use, and
-``tp_ranks.py`` runs a function on spawned tensor-parallel ranks.
+``tiny_model.py`` writes the tiny models their end-to-end runs use,
+``tp_ranks.py`` runs a function on spawned tensor-parallel ranks, and
+``zh.py`` gives every check's name and inputs in Chinese.
 
 Chapters 1, 3-9. vLLM 0.32 counterpart: none (teaching material).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from chapters.grade_checks import ch1, ch3, ch4, ch4_hybrid, ch5, ch6, ch6_tensor_parallel, ch7, ch8, ch9
 from chapters.grade_checks.common import Check
+from chapters.grade_checks.zh import CHINESE
 
 # Exercise id -> its checks, unit checks first (they are fast and say the most).
 CHECKS: dict[str, tuple[Check, ...]] = {
@@ -28,4 +30,15 @@ CHECKS: dict[str, tuple[Check, ...]] = {
     **ch6_tensor_parallel.CHECKS, **ch7.CHECKS, **ch8.CHECKS, **ch9.CHECKS,
 }
 
-__all__ = ["CHECKS", "Check"]
+
+
+def chinese_check(exercise_id: str, name: str) -> tuple[str, str]:
+    """(Chinese name, Chinese description of its inputs) of one check, from ``zh.py``."""
+    try:
+        return CHINESE[exercise_id][name]
+    except KeyError:
+        raise KeyError(f"chapters/grade_checks/zh.py has no Chinese for check {name!r} of exercise "
+                       f"{exercise_id}") from None
+
+
+__all__ = ["CHECKS", "Check", "chinese_check"]

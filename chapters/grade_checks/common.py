@@ -35,10 +35,11 @@ class Check:
     # given (``--model``): a tiny model written by the grader itself.
     own_model: str | None = None
 
-    def runs_on(self, model: str) -> str:
-        """What the check runs on, in words, for the grader's header and ``--list``."""
+    def runs_on(self, model: str, unit_check: str = "no model (unit check)") -> str:
+        """What the check runs on, in words, for the grader's header and ``--list``
+        (``unit_check``: the words for no model, in the grader's language)."""
         if not self.name.startswith("end to end"):
-            return "no model (unit check)"
+            return unit_check
         return self.own_model or model
 
     @property

@@ -121,6 +121,9 @@ def _source_page(path: Path) -> str:
             f"{fence}{code_regions.language_of(path)} linenums=\"1\"\n{text}\n{fence}\n")
 
 
+_REFERENCE_FRONT_MATTER = "---\nsearch:\n  boost: 0.1\n---\n"
+
+
 def _edition(config: Any) -> str:
     """The folder of the edition being built: "" for English, "zh/" for Chinese.
 
@@ -157,7 +160,10 @@ def on_files(files: Files, config: Any) -> Files:
     for name in _modules():
         # The heading's id is the module's dotted name, so ``[text][nanoengine.serial_utils]``
         # links the module itself (the mkdocstrings root heading, hidden here, would not).
-        page = f"# `{name}` {{ #{name} }}\n\n::: {name}\n"
+        # Ranked below the prose in search: both editions share one index, and the
+        # hundreds of docstring sections that name "prefill" or "KV cache" would
+        # otherwise push every chapter (the Chinese ones too) off the first page.
+        page = f"{_REFERENCE_FRONT_MATTER}# `{name}` {{ #{name} }}\n\n::: {name}\n"
         files.append(_generated(config, f"{REFERENCE_DIR}/{name}.md", page))
     return files
 
@@ -209,20 +215,29 @@ def _code_block(page: Page, name: str) -> str:
 
 
 def _grader_checks(page: Page, exercise_id: str) -> str:
-    """One line per check: the behaviour it checks, what it feeds in, and a link to its code."""
+    """One line per check: the behaviour it checks, what it feeds in, and a link to its code.
+
+    An English page takes the check's name and the first paragraph of its
+    docstring; a Chinese page takes both from ``chapters/grade_checks/zh.py``.
+    """
     import inspect
 
-    from chapters.grade_checks import CHECKS
+    from chapters.grade_checks import CHECKS, chinese_check
 
     if exercise_id not in CHECKS:
         raise LookupError(f"exercise {exercise_id!r} has no checks in chapters/grade_checks/")
+    chinese = page.file.src_uri.endswith(".zh.md")
     lines = []
     for check in CHECKS[exercise_id]:
         function = check.run
         region = code_regions.find_region(f"{function.__module__}.{function.__qualname__}")
         link = _line_link(page, region.path, region.start, region.end, label=function.__name__)
-        inputs = (inspect.getdoc(function) or "").split("\n\n")[0].replace("\n", " ")
-        lines.append(f"- **{check.name}**" + (f": {inputs}" if inputs else "") + f" ({link})")
+        if chinese:
+            name, inputs = chinese_check(exercise_id, check.name)
+            lines.append(f"- **{name}**：{inputs}（{link}）")
+        else:
+            inputs = (inspect.getdoc(function) or "").split("\n\n")[0].replace("\n", " ")
+            lines.append(f"- **{check.name}**" + (f": {inputs}" if inputs else "") + f" ({link})")
     return "\n".join(lines)
 
 

@@ -96,8 +96,8 @@ def render(link: Callable[[str, int, str], str]) -> str:
     relative to each package (``nanoengine/`` and ``vllm/``), as the header says.
     """
     rows = [
-        "| component | class | nanoengine file:line "
-        "| vLLM 0.32.0 file:line, and the module docstring's counterpart |",
+        ("| component | class | nanoengine file:line "
+         "| vLLM 0.32.0 file:line, and the module docstring's counterpart |"),
         "|---|---|---|---|",
     ]
     for node, parent, depth in _walk(live_tree()):
