@@ -9,9 +9,13 @@ import pytest
 import torch
 from tiny_models import make_tiny_model_dir
 
-# Two cores: let torch use both, and keep tokenizers from spawning its own pool.
+# Keep tokenizers from spawning its own pool.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One torch thread per pytest-xdist worker: `make test` runs two workers on two
+# cores, and two threads each (four on two cores) made every forward pass, and
+# the ranks and engine processes the tests start, wait for one another. A run
+# without workers lets torch use every core.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(os.cpu_count() or 1, 1))
 # Without a GPU the Triton kernels run in Triton's interpreter, and the switch must
 # be on before anything imports triton.language (transformers may, when it builds
