@@ -31,9 +31,13 @@ $(BASE_STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q -e .
 	touch $@
 
+# The extras' requirements alone (read from pyproject.toml), not `pip install -e ".[dev,docs]"`,
+# which would reinstall nanoengine itself while `make test` builds the kernels and the
+# model beside this install, from the same venv.
 $(STAMP): $(BASE_STAMP)
 	@echo "nanoengine: installing the test and docs extras (pytest, mypy, Triton, Ray, mkdocs ...) ..."
-	$(PYTHON) -m pip install -q -e ".[dev,docs]"
+	$(PYTHON) -c "import tomllib; extras = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; \
+		print('\n'.join(extras['dev'] + extras['docs']))" | xargs -d '\n' $(PYTHON) -m pip install -q
 	touch $@
 
 # The C++ CPU kernels, compiled now (about a minute, announced) rather than inside the
@@ -55,8 +59,12 @@ demo: venv-base kernels model
 # a file's module fixtures -- a Ray cluster, the built site -- stay in one worker).
 # Much of the suite waits on processes it started (engines, servers, ranks, a
 # browser), so two workers finish in about two thirds of the time on 2 cores.
+# The set-up steps after the engine's own install run side by side (-j): pip
+# downloading the extras, the compiler, the model's conversion and apt-get each
+# wait on something different, and together they take about half as long.
 TEST_WORKERS ?= 2
-test: venv kernels model browser docs-assets
+test: venv-base
+	$(MAKE) --no-print-directory -j4 --output-sync=line venv kernels model browser docs-assets
 	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Debian's chromium, for the docs browser test; skipped when already installed.
@@ -65,7 +73,8 @@ browser:
 
 docs-assets: $(MERMAID_JS)
 
-$(MERMAID_JS):
+# After `browser`: two apt-get runs at once would fight over dpkg's lock.
+$(MERMAID_JS): | browser
 	command -v npm >/dev/null 2>&1 || ($(SUDO) apt-get update && $(SUDO) apt-get install -y npm)
 	mkdir -p $(dir $@)
 	tmp=$$(mktemp -d) && (cd $$tmp && npm pack --silent mermaid@$(MERMAID_VERSION) >/dev/null \

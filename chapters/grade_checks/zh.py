@@ -13,6 +13,24 @@ Chapters 1, 3-9 (the exercises). vLLM 0.32 counterpart: none (teaching material)
 
 from __future__ import annotations
 
+# The two end-to-end checks exercises 4.1 and 4.3 share (4.2 takes the first).
+_KV_CACHE_END_TO_END: dict[str, tuple[str, str]] = {
+    'end to end: prefix cache': (
+        "端到端：前缀缓存",
+        (
+            "三个 prompt 有一段 12 个 token 的共同前缀，每个贪心生成 8 个 token，每个 block 4 个 token："
+            "缓存必须命中。"
+        ),
+    ),
+    'end to end: preemption': (
+        "端到端：抢占",
+        (
+            "四个各 7 个 token 的 prompt，每个贪心生成 16 个 token，只有 9 个可用 block，"
+            "每个 block 4 个 token：FCFS 必须抢占。"
+        ),
+    ),
+}
+
 # Exercise id -> English check name -> (Chinese name, Chinese description of its inputs).
 CHINESE: dict[str, dict[str, tuple[str, str]]] = {
     "1.1": {
@@ -181,20 +199,7 @@ CHINESE: dict[str, dict[str, tuple[str, str]]] = {
             "num_new_tokens < 1 时抛出 ValueError",
             "``r``（3 个 token）先要 0 个新 token，再要 -1 个。",
         ),
-        'end to end: prefix cache': (
-            "端到端：前缀缓存",
-            (
-                "三个 prompt 有一段 12 个 token 的共同前缀，每个贪心生成 8 个 token，每个 block 4 个 token："
-                "缓存必须命中。"
-            ),
-        ),
-        'end to end: preemption': (
-            "端到端：抢占",
-            (
-                "四个各 7 个 token 的 prompt，每个贪心生成 16 个 token，只有 9 个可用 block，"
-                "每个 block 4 个 token：FCFS 必须抢占。"
-            ),
-        ),
+        **_KV_CACHE_END_TO_END,
     },
     "4.2": {
         'returns the SHA-256 digest as 32 bytes': (
@@ -219,13 +224,7 @@ CHINESE: dict[str, dict[str, tuple[str, str]]] = {
                 "7, 2**31]；每个哈希都以十六进制显示。"
             ),
         ),
-        'end to end: prefix cache': (
-            "端到端：前缀缓存",
-            (
-                "三个 prompt 有一段 12 个 token 的共同前缀，每个贪心生成 8 个 token，每个 block 4 个 token："
-                "缓存必须命中。"
-            ),
-        ),
+        "end to end: prefix cache": _KV_CACHE_END_TO_END["end to end: prefix cache"],
     },
     "4.3": {
         'unlinks from the middle, the head and the tail, both directions': (
@@ -256,20 +255,7 @@ CHINESE: dict[str, dict[str, tuple[str, str]]] = {
                 "然后摘一个从没进过队列的 block 9；队列必须保持原样。"
             ),
         ),
-        'end to end: prefix cache': (
-            "端到端：前缀缓存",
-            (
-                "三个 prompt 有一段 12 个 token 的共同前缀，每个贪心生成 8 个 token，每个 block 4 个 token："
-                "缓存必须命中。"
-            ),
-        ),
-        'end to end: preemption': (
-            "端到端：抢占",
-            (
-                "四个各 7 个 token 的 prompt，每个贪心生成 16 个 token，只有 9 个可用 block，"
-                "每个 block 4 个 token：FCFS 必须抢占。"
-            ),
-        ),
+        **_KV_CACHE_END_TO_END,
     },
     "4.4": {
         'a new request: attention blocks plus one block per state group, whatever its length': (
