@@ -61,10 +61,11 @@ demo: venv-base kernels model
 # browser), so two workers finish in about two thirds of the time on 2 cores.
 # The set-up steps after the engine's own install run side by side (-j): pip
 # downloading the extras, the compiler, the model's conversion and apt-get each
-# wait on something different, and together they take about half as long.
+# wait on something different (a fresh clone's whole set-up: about 170 s instead of 240).
+# Their lines may interleave; each announces itself as it starts.
 TEST_WORKERS ?= 2
 test: venv-base
-	$(MAKE) --no-print-directory -j4 --output-sync=line venv kernels model browser docs-assets
+	$(MAKE) --no-print-directory -j4 venv kernels model browser docs-assets
 	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Debian's chromium, for the docs browser test; skipped when already installed.
