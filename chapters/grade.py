@@ -279,13 +279,13 @@ def main(argv: list[str] | None = None) -> int:
             print(words.list_header.format(exercise=exercise_id, count=len(CHECKS[exercise_id])))
             print("\n".join(list_checks(exercise_id, args.model, words)))
         return 0
+    def still_running(seconds: float) -> None:
+        print(words.still_running.format(seconds=seconds), flush=True)
+
     ok = True
     for exercise_id in ids:
         exercise = exercises[exercise_id]
         candidate = reference_function(exercise) if args.reference else student_function(exercise)
-        def still_running(seconds: float) -> None:
-            print(words.still_running.format(seconds=seconds), flush=True)
-
         results = iter_grade(exercise_id, candidate, args.model, still_running, words)
         ok = _report(exercise_id, results, args.model, words) and ok
     return 0 if ok else 1
