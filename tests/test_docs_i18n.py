@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mkdocs_config import load_mkdocs_config
+from mkdocs_config import load_mkdocs_config, nav_pages
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import docs_i18n
@@ -30,18 +30,8 @@ def _chinese_nav_titles() -> dict[str, str]:
     config = load_mkdocs_config()
     (i18n,) = [plugin["i18n"] for plugin in config["plugins"] if isinstance(plugin, dict) and "i18n" in plugin]
     (chinese,) = [language for language in i18n["languages"] if language["locale"] == "zh"]
-    titles: dict[str, str] = {}
-
-    def walk(item: object) -> None:
-        for entry in item if isinstance(item, list) else [item]:
-            if isinstance(entry, dict):
-                for english, target in entry.items():
-                    if isinstance(target, str):
-                        titles[target] = chinese["nav_translations"].get(english, english)
-                    walk(target)
-
-    walk(config["nav"])
-    return titles
+    return {path: chinese["nav_translations"].get(title, title)
+            for title, path in nav_pages(config["nav"]) if title is not None}
 
 
 def test_an_exercise_has_one_chinese_title_in_the_nav_and_on_its_page() -> None:

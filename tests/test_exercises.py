@@ -15,7 +15,7 @@ import os
 
 import pytest
 from exercise_mutants import Mutant, ch1, ch3, ch4, ch4_hybrid, ch5, ch6, ch6_tensor_parallel, ch7, ch8, ch9
-from mkdocs_config import load_mkdocs_config
+from mkdocs_config import load_mkdocs_config, nav_pages
 
 import chapters.grade_checks.common
 from chapters.exercise_stubs import check as check_stubs
@@ -36,21 +36,7 @@ MIN_MUTANTS = 3
 
 
 def _nav_pages() -> set[str]:
-    config = load_mkdocs_config()
-    found: set[str] = set()
-
-    def walk(item: object) -> None:
-        if isinstance(item, str):
-            found.add(item)
-        elif isinstance(item, list):
-            for element in item:
-                walk(element)
-        elif isinstance(item, dict):
-            for value in item.values():
-                walk(value)
-
-    walk(config["nav"])
-    return found
+    return {path for _, path in nav_pages(load_mkdocs_config()["nav"])}
 
 
 def test_required_exercises_are_marked() -> None:
