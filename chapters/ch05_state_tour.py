@@ -146,7 +146,7 @@ SHARED_PROMPT = (
 def run_state_tour(model: str, storage_dir: str, max_tokens: int = 32) -> StateTour:
     """Drive one request per feature through a consumer engine; return what happened."""
     start = time.perf_counter()
-    producer = _engine(model, KVTransferConfig(storage_dir, "kv_producer"), num_blocks=4 * TOUR_NUM_BLOCKS)
+    producer = _engine(model, KVTransferConfig("SharedStorageConnector", "kv_producer", {"shared_storage_path": storage_dir}), num_blocks=4 * TOUR_NUM_BLOCKS)
     shared_ids = _chat_ids(producer, SHARED_PROMPT)
     producer.add_request(
         "prefill", {"prompt_token_ids": shared_ids}, SamplingParams(temperature=0, max_tokens=1)
@@ -154,7 +154,7 @@ def run_state_tour(model: str, storage_dir: str, max_tokens: int = 32) -> StateT
     _drain(producer)  # its prompt's full KV blocks are now files in storage_dir
     producer.shutdown()
 
-    engine = _engine(model, KVTransferConfig(storage_dir, "kv_consumer"), num_blocks=TOUR_NUM_BLOCKS)
+    engine = _engine(model, KVTransferConfig("SharedStorageConnector", "kv_consumer", {"shared_storage_path": storage_dir}), num_blocks=TOUR_NUM_BLOCKS)
     core = engine.engine_core.get_engine_core()  # the tour reads its Requests
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
     tour: dict[str, TourRequest] = {}

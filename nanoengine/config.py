@@ -11,7 +11,8 @@ must stay device-free. ``EngineArgs`` (engine/arg_utils.py) fills them in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 
@@ -123,30 +124,102 @@ class ObservabilityConfig:
     check_invariants: bool = False  # run instruments/invariants.py after every step
 
 
+# The connectors nanoengine has, and the keys each reads from kv_connector_extra_config.
+# "SharedStorageConnector" is chapter 5's one-machine example (vLLM 0.32 calls
+# its twin ExampleConnector); "ZmqConnector" is chapter 10's network connector.
+KV_CONNECTOR_EXTRA_KEYS: dict[str, tuple[str, ...]] = {
+    "SharedStorageConnector": ("shared_storage_path",),
+    "ZmqConnector": ("abort_request_timeout_s", "transfer_timeout_s"),
+}
+# vLLM's NIXL default for VLLM_NIXL_ABORT_REQUEST_TIMEOUT: how long a producer
+# holds a finished prefill's blocks for a consumer that has not read them.
+DEFAULT_ABORT_REQUEST_TIMEOUT_S = 480.0
+# How long a consumer waits for the producer's answer to one pull.
+DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+
+
 @dataclass
 class KVTransferConfig:
-    """A KV connector between engines (chapter 5: WAITING_FOR_REMOTE_KVS).
+    """A KV connector between engines (chapter 5: WAITING_FOR_REMOTE_KVS; chapter 10: P/D).
 
-    vLLM 0.32 counterpart: ``vllm/config/kv_transfer.py`` (``KVTransferConfig``);
-    vLLM passes the directory in ``kv_connector_extra_config``.
+    The fields are vLLM's: ``kv_connector`` names the connector, ``kv_role``
+    says whether this engine produces KV (the prefill server), consumes it
+    (the decode server) or both; ``kv_ip``/``kv_port`` are where a producer's
+    ranks listen (rank ``r`` on ``kv_port + r``); ``engine_id`` tells a
+    restarted producer from the one that held the blocks;
+    ``kv_load_failure_policy`` says what a consumer does when a load fails:
+    end the request with an error ("fail", vLLM's default) or compute the
+    prefill itself ("recompute").
+
+    vLLM 0.32 counterpart: ``vllm/config/kv_transfer.py`` (``KVTransferConfig``).
     """
 
-    shared_storage_path: str
-    # "kv_producer" saves prefilled blocks, "kv_consumer" loads them, "kv_both" does both.
+    kv_connector: str = ""
     kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
-    kv_connector: Literal["SharedStorageConnector"] = "SharedStorageConnector"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579  # vLLM's default
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
 
     def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTOR_EXTRA_KEYS:
+            raise ValueError(
+                f"kv_connector must be one of {sorted(KV_CONNECTOR_EXTRA_KEYS)}, got {self.kv_connector!r}."
+            )
         if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ValueError(
                 f"kv_role must be 'kv_producer', 'kv_consumer' or 'kv_both', got {self.kv_role!r}."
             )
-        if self.kv_connector != "SharedStorageConnector":
-            raise ValueError(f"kv_connector must be 'SharedStorageConnector', got {self.kv_connector!r}.")
-        if not isinstance(self.shared_storage_path, str) or not self.shared_storage_path:
+        if self.kv_load_failure_policy not in ("fail", "recompute"):
             raise ValueError(
-                f"shared_storage_path must be a non-empty path, got {self.shared_storage_path!r}."
+                f"kv_load_failure_policy must be 'fail' or 'recompute', got {self.kv_load_failure_policy!r}."
             )
+        port = self.kv_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise ValueError(f"kv_port must be an int in [1, 65535], got {port!r}.")
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            raise ValueError(f"kv_ip must be a host name or address, got {self.kv_ip!r}.")
+        self._check_extra_config()
+
+    def _check_extra_config(self) -> None:
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict):
+            raise TypeError(f"kv_connector_extra_config must be a dict, got {extra!r}.")
+        accepted = KV_CONNECTOR_EXTRA_KEYS[self.kv_connector]
+        unknown = sorted(set(extra) - set(accepted))
+        if unknown:
+            raise ValueError(
+                f"kv_connector_extra_config has unknown key(s) {unknown} for {self.kv_connector}; "
+                f"accepted: {list(accepted)}."
+            )
+        if self.kv_connector == "SharedStorageConnector":
+            path = extra.get("shared_storage_path")
+            if not isinstance(path, str) or not path:
+                raise ValueError(
+                    "kv_connector_extra_config.shared_storage_path must be a non-empty path, "
+                    f"got {path!r}."
+                )
+        for key in ("abort_request_timeout_s", "transfer_timeout_s"):
+            value = extra.get(key, 1.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"kv_connector_extra_config.{key} must be a positive number of seconds, "
+                                 f"got {value!r}.")
+
+    @classmethod
+    def from_dict(cls, value: Any) -> KVTransferConfig:
+        """vLLM's JSON form (``--kv-transfer-config``); an unknown key is an error naming it."""
+        if isinstance(value, KVTransferConfig):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"kv_transfer_config must be a dict (JSON object), got {value!r}.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config has unknown key(s) {unknown}; accepted: {sorted(known)}.")
+        if "kv_connector" not in value:
+            raise ValueError(f"kv_transfer_config needs kv_connector: one of {sorted(KV_CONNECTOR_EXTRA_KEYS)}.")
+        return cls(**value)
 
     @property
     def is_producer(self) -> bool:
@@ -155,6 +228,19 @@ class KVTransferConfig:
     @property
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def shared_storage_path(self) -> str:
+        """The SharedStorageConnector's directory."""
+        return str(self.kv_connector_extra_config["shared_storage_path"])
+
+    @property
+    def abort_request_timeout_s(self) -> float:
+        return float(self.kv_connector_extra_config.get("abort_request_timeout_s", DEFAULT_ABORT_REQUEST_TIMEOUT_S))
+
+    @property
+    def transfer_timeout_s(self) -> float:
+        return float(self.kv_connector_extra_config.get("transfer_timeout_s", DEFAULT_TRANSFER_TIMEOUT_S))
 
 
 @dataclass

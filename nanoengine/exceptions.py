@@ -21,3 +21,17 @@ class ValidationError(ValueError):
         super().__init__(message)
         self.parameter = parameter
         self.value = value
+
+
+# The words that open the finish_message of a request whose KV load failed
+# (chapter 10, kv_load_failure_policy="fail"): the server's fault, not the client's.
+KV_LOAD_FAILED = "Loading the KV cache from the prefill engine failed"
+
+
+class KVTransferError(RuntimeError):
+    """A request ended because its KV could not be loaded from the prefill engine (a 500 online)."""
+
+
+def request_error(message: str) -> Exception:
+    """The exception for a request the engine ended in error: the client's mistake, or a failed KV load."""
+    return KVTransferError(message) if message.startswith(KV_LOAD_FAILED) else ValueError(message)

@@ -14,8 +14,9 @@ engine, so one file holds both.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from nanoengine.distributed.kv_transfer.base import KVTransferStats
 from nanoengine.engine import EngineCoreEvent, EngineCoreEventType
 from nanoengine.logprobs import LogprobsLists, PromptLogprobs, SampleLogprobs
 
@@ -127,6 +128,9 @@ class RequestOutput:
     num_external_computed_tokens: int = 0
     # With SamplingParams.prompt_logprobs: one dict per prompt token, the first None.
     prompt_logprobs: PromptLogprobs | None = None
+    # Chapter 10: on a producer's finished output, where the decode engine finds
+    # the prompt's KV blocks (vLLM's field of the same name).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---- the model runner's side (vllm/v1/outputs.py) ----------------------------------
@@ -156,9 +160,21 @@ class LogprobsTensors:
 
 @dataclass
 class KVConnectorOutput:
-    """What the worker's KV connector finished since the last step."""
+    """What the worker's KV connector finished since the last step (chapters 5 and 10).
 
+    Under tensor parallelism every rank reports its own; the executor merges
+    them (``KVOutputAggregator``): a request is finished once all ranks say so.
+    """
+
+    finished_sending: set[str] = field(default_factory=set)  # producer: blocks read (or expired): free them
     finished_recving: set[str] = field(default_factory=set)  # loads done: promote these
+    # Loads that failed, with the reason: the scheduler applies kv_load_failure_policy.
+    # (vLLM reports the failed block ids, invalid_block_ids; a request is the unit here.)
+    failed_recving: dict[str, str] = field(default_factory=dict)
+    kv_connector_stats: KVTransferStats | None = None
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.failed_recving or self.kv_connector_stats)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nanoengine.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from nanoengine.sampling_params import SamplingParams
@@ -127,6 +127,10 @@ class Request:
         self.num_preemptions = 0
         # Prompt tokens whose KV a KV connector loaded instead (chapter 5).
         self.num_external_computed_tokens = 0
+        # Chapter 10: what the client said about moving this request's KV between
+        # engines (vLLM's kv_transfer_params). A copy: the connector updates it.
+        params = (sampling_params.extra_args or {}).get("kv_transfer_params")
+        self.kv_transfer_params: dict[str, Any] | None = dict(params) if params else None
         # Speculative decoding (chapter 9): the proposer's guesses for the next
         # tokens, set after each step, scheduled (and cleared) by the next one.
         # They are not part of ``all_token_ids`` until the target model keeps them.

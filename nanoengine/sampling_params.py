@@ -144,6 +144,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Stop when the output falls into a loop, chapter 5.
     repetition_detection: RepetitionDetectionParams | None = None
+    # Anything else a component reads by key, as in vLLM; chapter 10's KV
+    # connector reads "kv_transfer_params" (the server copies the request field here).
+    extra_args: dict[str, Any] | None = None
     # Filled in by the input processor from the model's generation config, so the
     # scheduler can stop on any EOS id without knowing about tokenizers.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)

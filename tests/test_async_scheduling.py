@@ -174,11 +174,11 @@ def test_kv_connector_consumer_with_async_scheduling(tiny_llama: str, tmp_path: 
     add(reference, "r", prompt, params)
     expected = run(reference)["r"].outputs[0].token_ids
     producer = make_engine(tiny_llama, async_scheduling=True,
-                           kv_transfer_config=KVTransferConfig(str(tmp_path), "kv_producer"))
+                           kv_transfer_config=KVTransferConfig("SharedStorageConnector", "kv_producer", {"shared_storage_path": str(tmp_path)}))
     add(producer, "prefill", prompt, SamplingParams(temperature=0.0, max_tokens=1))
     run(producer)
     consumer = make_engine(tiny_llama, async_scheduling=True,
-                           kv_transfer_config=KVTransferConfig(str(tmp_path), "kv_consumer"))
+                           kv_transfer_config=KVTransferConfig("SharedStorageConnector", "kv_consumer", {"shared_storage_path": str(tmp_path)}))
     request = add(consumer, "r", prompt, params)
     output = run(consumer)["r"]
     assert RequestStatus.WAITING_FOR_REMOTE_KVS in path(request)

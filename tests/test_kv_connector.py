@@ -25,15 +25,20 @@ PROMPT = prompt_ids(70)  # 4 full blocks of 16 and 6 tokens more
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10)
 
 
+def _storage(storage: Path, role: str) -> KVTransferConfig:
+    return KVTransferConfig("SharedStorageConnector", role,  # type: ignore[arg-type]
+                            {"shared_storage_path": str(storage)})
+
+
 def _produce(model: str, storage: Path) -> None:
-    producer = make_engine(model, kv_transfer_config=KVTransferConfig(str(storage), "kv_producer"))
+    producer = make_engine(model, kv_transfer_config=_storage(storage, "kv_producer"))
     add(producer, "prefill", PROMPT, SamplingParams(temperature=0.0, max_tokens=1))
     run(producer)
     producer.shutdown()
 
 
 def _consume(model: str, storage: Path) -> tuple[list[int], list[RequestStatus], int]:
-    consumer = make_engine(model, kv_transfer_config=KVTransferConfig(str(storage), "kv_consumer"))
+    consumer = make_engine(model, kv_transfer_config=_storage(storage, "kv_consumer"))
     request = add(consumer, "r", PROMPT, PARAMS)
     output = run(consumer)["r"]
     consumer.shutdown()
@@ -77,11 +82,11 @@ def test_nothing_stored_means_no_remote_wait(tiny_llama: str, tmp_path: Path, ba
 
 def test_kv_transfer_config_is_validated(tiny_llama: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="kv_role"):
-        KVTransferConfig(str(tmp_path), "kv_sender")  # type: ignore[arg-type]
+        _storage(tmp_path, "kv_sender")
     with pytest.raises(ValueError, match="shared_storage_path"):
-        KVTransferConfig("")
+        KVTransferConfig("SharedStorageConnector", kv_connector_extra_config={"shared_storage_path": ""})
     args = EngineArgs(
-        model=tiny_llama, enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(str(tmp_path))
+        model=tiny_llama, enable_prefix_caching=False, kv_transfer_config=_storage(tmp_path, "kv_both")
     )
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         args.create_engine_config()
@@ -91,7 +96,7 @@ def test_abort_while_loading_leaves_the_engine_consistent(
     tiny_llama: str, tmp_path: Path, baseline: list[int]
 ) -> None:
     _produce(tiny_llama, tmp_path)
-    consumer = make_engine(tiny_llama, kv_transfer_config=KVTransferConfig(str(tmp_path), "kv_consumer"))
+    consumer = make_engine(tiny_llama, kv_transfer_config=_storage(tmp_path, "kv_consumer"))
     first = add(consumer, "first", PROMPT, PARAMS)
     consumer.step()  # allocates blocks and starts the load
     assert first.status == S.WAITING_FOR_REMOTE_KVS

@@ -96,6 +96,9 @@ class EngineCoreOutput:
     new_logprobs: LogprobsLists | None = None
     # One row per prompt token after the first; only in the request's first output.
     new_prompt_logprobs: LogprobsLists | None = None
+    # Chapter 10: set in a producer's last output, where the KV blocks wait for
+    # the decode engine (vLLM's kv_transfer_params).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

@@ -92,8 +92,10 @@ class EngineArgs:
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     trust_remote_code: bool = False
     tokenizer: str | None = None
-    # A KV connector (prefill/decode disaggregation), chapter 5.
-    kv_transfer_config: KVTransferConfig | None = None
+    # A KV connector (prefill/decode disaggregation), chapters 5 and 10: vLLM's
+    # dict, e.g. {"kv_connector": "ZmqConnector", "kv_role": "kv_producer"} (or a
+    # KVTransferConfig); on the command line, --kv-transfer-config with the JSON.
+    kv_transfer_config: dict[str, Any] | KVTransferConfig | None = None
     # Chapter 8: run the engine core in a process of its own, behind ZMQ sockets
     # (NANOENGINE_ENABLE_MULTIPROCESSING=1 too; vLLM's switch is
     # VLLM_ENABLE_V1_MULTIPROCESSING, on by default there, off here).
@@ -124,6 +126,9 @@ class EngineArgs:
                                    default=None if is_list else field.default)
         group.add_argument("--speculative-config", type=json.loads, default=None,
                            help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+        group.add_argument("--kv-transfer-config", type=json.loads, default=None,
+                           help='a KV connector as JSON, e.g. \'{"kv_connector": "ZmqConnector", '
+                                '"kv_role": "kv_producer", "kv_port": 14579}\'')
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -171,8 +176,7 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
         )
         enable_prefix_caching = resolve_prefix_caching(self.enable_prefix_caching, model_config)
-        if self.kv_transfer_config is not None and not enable_prefix_caching:
-            raise ValueError("kv_transfer_config needs prefix caching, which a hybrid model runs without.")
+        kv_transfer_config = self._kv_transfer_config(model_config, enable_prefix_caching)
         parallel_config = self._parallel_config(model_config, device)
         engine_config = EngineConfig(
             model_config=model_config,
@@ -187,7 +191,7 @@ class EngineArgs:
             scheduler_config=self._scheduler_config(max_model_len),
             device_config=DeviceConfig(device=device),
             parallel_config=parallel_config,
-            kv_transfer_config=self.kv_transfer_config,
+            kv_transfer_config=kv_transfer_config,
             observability_config=ObservabilityConfig(
                 trace=self.trace or _env_flag("NANOENGINE_TRACE"),
                 check_invariants=self.check_invariants or _env_flag("NANOENGINE_CHECK_INVARIANTS"),
@@ -221,9 +225,6 @@ class EngineArgs:
                 f"tensor_parallel_size={size} needs {size} {what}, but this machine has {devices}."
             )
         check_tensor_parallel_size(model_config.hf_text_config, size)
-        if size > 1 and self.kv_transfer_config is not None:
-            # Each rank holds a slice of every block; the connector stores whole blocks.
-            raise ValueError("kv_transfer_config works with tensor_parallel_size=1 only.")
         return ParallelConfig(tensor_parallel_size=size, distributed_executor_backend=backend)
 
     def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
@@ -274,10 +275,6 @@ class EngineArgs:
             raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of positive ints, got {sizes!r}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
-        if self.kv_transfer_config is not None and not self.enable_prefix_caching:
-            # The connector names stored blocks by their prefix hashes, which
-            # only exist when prefix caching computes them.
-            raise ValueError("kv_transfer_config needs enable_prefix_caching=True (blocks are keyed by hash).")
         if self.use_multiprocessing() and (self.trace or _env_flag("NANOENGINE_TRACE")):
             # The trace is a live object in the core's process (chapters 3-4 read it in place).
             raise ValueError("trace=True (or NANOENGINE_TRACE=1) needs the in-process engine: "
@@ -295,6 +292,30 @@ class EngineArgs:
                 f"rank, 'mp' for more), got {self.distributed_executor_backend!r}."
             )
 
+
+    def _kv_transfer_config(self, model_config: ModelConfig, enable_prefix_caching: bool) -> KVTransferConfig | None:
+        """The ``kv_transfer_config`` argument checked, as a KVTransferConfig (chapters 5 and 10).
+
+        The storage connector names stored blocks by their prefix hashes, which
+        only exist with prefix caching, and stores whole blocks, which a
+        tensor-parallel rank does not hold. The network connector needs neither
+        (each rank sends its own slice), but both move full-attention K/V only,
+        so a hybrid model is refused.
+        """
+        if self.kv_transfer_config is None:
+            return None
+        config = KVTransferConfig.from_dict(self.kv_transfer_config)
+        if model_config.is_hybrid:
+            raise ValueError(f"kv_transfer_config is not supported for the hybrid model {model_config.model}: "
+                             "the connectors move full-attention K/V blocks, not linear-attention states.")
+        if config.kv_connector == "SharedStorageConnector":
+            if not enable_prefix_caching:
+                raise ValueError("kv_transfer_config: SharedStorageConnector needs enable_prefix_caching=True "
+                                 "(blocks are keyed by hash).")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_transfer_config: SharedStorageConnector works with tensor_parallel_size=1 "
+                                 f"only, got {self.tensor_parallel_size} (it stores whole blocks).")
+        return config
 
     def _speculative_config(self, model_config: ModelConfig) -> SpeculativeConfig | None:
         """The ``speculative_config`` argument checked, as a SpeculativeConfig (chapter 9).
@@ -360,8 +381,8 @@ def _parallel_device_count(device: str) -> tuple[int, str]:
 
 
 # Fields the command line does not set field by field: the model is positional,
-# a KV connector is configured in Python (chapter 5), and --speculative-config
-# takes JSON (added by hand in add_cli_args).
+# and --kv-transfer-config and --speculative-config take JSON (added by hand in
+# add_cli_args).
 _NOT_ON_THE_COMMAND_LINE = ("model", "kv_transfer_config", "speculative_config")
 
 

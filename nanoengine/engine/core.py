@@ -79,6 +79,7 @@ class EngineCore:
             kv_transfer_config=engine_config.kv_transfer_config,
             structured_output_manager=self.structured_output_manager,
             speculative_config=engine_config.speculative_config,
+            tensor_parallel_size=engine_config.parallel_config.tensor_parallel_size,
         )
         self.use_spec_decode = engine_config.speculative_config is not None
         # Async scheduling keeps up to two steps in flight: the one whose

@@ -33,6 +33,7 @@ it here so that core.py stays the one-process engine of chapters 5-7.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import logging
@@ -252,7 +253,7 @@ class EngineCoreProc(EngineCore):
         """The scheduler's counters (for ``/metrics``): queues, KV usage, prefix cache,
         and with speculative decoding (chapter 9) the draft counts, else None."""
         stats = self.scheduler.make_stats()
-        spec = stats.spec_decoding_stats
+        spec, transfer = stats.spec_decoding_stats, stats.kv_transfer_stats
         return {
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
@@ -269,6 +270,9 @@ class EngineCoreProc(EngineCore):
                 "num_accepted_tokens": spec.num_accepted_tokens,
                 "num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos),
             },
+            # Chapter 10: KV moved between engines, else None.
+            "kv_transfer": None if transfer is None else dataclasses.asdict(transfer),
+            "num_held_for_remote": stats.num_held_for_remote,
         }
 
 

@@ -80,6 +80,8 @@ class ParentRequest:
     num_cached_tokens: int = 0
     num_external_computed_tokens: int = 0
     finish_message: str | None = None
+    # Chapter 10: where a producer holds this prompt's KV for the decode engine.
+    kv_transfer_params: dict[str, Any] | None = None
     # From the first sample to report them (every sample scores the same prompt).
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False
@@ -112,6 +114,7 @@ class ParentRequest:
             finish_message=self.finish_message,
             num_external_computed_tokens=self.num_external_computed_tokens,
             prompt_logprobs=self._prompt_logprobs_for_output(),
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     def _prompt_logprobs_for_output(self) -> PromptLogprobs | None:
@@ -189,6 +192,8 @@ class OutputProcessor:
             parent.num_external_computed_tokens = max(
                 parent.num_external_computed_tokens, output.num_external_computed_tokens
             )
+            if output.kv_transfer_params is not None:
+                parent.kv_transfer_params = output.kv_transfer_params
             state.token_ids.extend(output.new_token_ids)
             state.logprobs_processor.update_from_output(output.new_logprobs, output.new_prompt_logprobs)
             if parent.prompt_logprobs is None:

@@ -32,6 +32,7 @@ from typing import Any, Literal, overload
 
 from nanoengine.config import EngineConfig
 from nanoengine.core.sched.output import GrammarOutput, SchedulerOutput
+from nanoengine.distributed.kv_transfer.utils import KVOutputAggregator
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from nanoengine.outputs import DraftTokenIds, ModelRunnerOutput
 from nanoengine.worker.worker import MemoryProfile, Worker
@@ -86,6 +87,11 @@ class Executor(ABC):
         # The first failure of a rank (death, exception); once set, every call
         # is refused, since the ranks may no longer agree on where they are.
         self._failure: BaseException | None = None
+        # Several ranks with a KV connector: every rank's transfers must finish (chapter 10).
+        world_size = self.parallel_config.world_size
+        self.kv_output_aggregator = (
+            KVOutputAggregator(world_size) if world_size > 1 and engine_config.kv_transfer_config else None
+        )
         # Starts the worker(s), then init_device and load_model on each.
         self._init_executor()
 
@@ -165,9 +171,29 @@ class Executor(ABC):
 
         The result is None when sampling was deferred to ``sample_tokens``.
         """
-        return self.collective_rpc(  # type: ignore[no-any-return]
-            "execute_model", args=(scheduler_output,), non_block=non_block, unique_reply_rank=OUTPUT_RANK
-        )
+        return self._step_rpc("execute_model", scheduler_output, non_block)  # type: ignore[no-any-return]
+
+    def _step_rpc(self, method: str, arg: object, non_block: bool) -> Any:
+        """One step call: rank 0's answer, or with a KV connector on several ranks every rank's, merged.
+
+        Each rank's connector finishes its own slice of a transfer
+        (``KVOutputAggregator``, chapter 10); without one, rank 0 speaks for all.
+        """
+        if self.kv_output_aggregator is None:
+            return self.collective_rpc(method, args=(arg,), non_block=non_block, unique_reply_rank=OUTPUT_RANK)
+        future: Future[list[ModelRunnerOutput | None]] = self.collective_rpc(method, args=(arg,), non_block=True)
+        merged: Future[ModelRunnerOutput | None] = Future()
+        aggregate = self.kv_output_aggregator.aggregate
+
+        def settle(done: Future[list[ModelRunnerOutput | None]]) -> None:
+            error = done.exception()
+            if error is not None:
+                merged.set_exception(error)
+            else:
+                merged.set_result(aggregate(done.result()))
+
+        future.add_done_callback(settle)
+        return merged if non_block else merged.result()
 
     @overload
     def sample_tokens(
@@ -189,9 +215,7 @@ class Executor(ABC):
         tokens are sampled (and appended to the worker's request copies)
         before the next step's forward pass reads them as inputs.
         """
-        return self.collective_rpc(  # type: ignore[no-any-return]
-            "sample_tokens", args=(grammar_output,), non_block=non_block, unique_reply_rank=OUTPUT_RANK
-        )
+        return self._step_rpc("sample_tokens", grammar_output, non_block)  # type: ignore[no-any-return]
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts the last ``sample_tokens`` proposed (chapter 9), from rank 0.

@@ -65,4 +65,5 @@ class UniProcExecutor(Executor):
         return future if non_block else future.result(timeout)
 
     def shutdown(self) -> None:
+        self.collective_rpc("shutdown")  # on the forward thread, after every step sent before it
         self._forward_thread.shutdown(wait=True)

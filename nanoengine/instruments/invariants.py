@@ -18,7 +18,8 @@ the bookkeeping must guarantee after every step:
   every hashed block is in the map under its hash), and a cached block in a
   table carries that request's own hash for that position;
 * running requests hold blocks for all their computed tokens in every group
-  (a state group: its one block); waiting and finished ones hold none; an
+  (a state group: its one block); waiting and finished ones hold none, except
+  a producer's finished prefills held for a decode engine (chapter 10); an
   idle engine holds no block at all;
 * async scheduling's output placeholders (chapter 7) are never negative, and a
   waiting request has none left once a step's output is in: a request is only
@@ -165,9 +166,12 @@ def check_scheduler(scheduler: Scheduler) -> None:
             request.num_computed_tokens > 0 or not holds_blocks, f"waiting {request.request_id!r} holds blocks"
         )
     keeping_kv = {r.request_id for r in scheduler.waiting if r.num_computed_tokens > 0}
+    # Chapter 10: a producer's finished prefills keep their blocks for a decode engine.
+    held = set(scheduler.held_for_remote)
+    _require(not held & set(scheduler.requests), f"held-for-remote requests are still live: {held & set(scheduler.requests)}")
     holders_without_request = {
         rid for m in managers for rid, blocks in m.req_to_blocks.items() if blocks
-    } - running_ids - keeping_kv
+    } - running_ids - keeping_kv - held
     _require(
         not holders_without_request, f"requests not running hold blocks: {sorted(holders_without_request)}"
     )
@@ -176,7 +180,7 @@ def check_scheduler(scheduler: Scheduler) -> None:
         "scheduler.requests disagrees with the waiting and running queues",
     )
     kv_cache_manager = scheduler.kv_cache_manager
-    if not scheduler.has_unfinished_requests():
+    if not scheduler.has_unfinished_requests() and not held:
         num_held = kv_cache_manager.num_usable_blocks - kv_cache_manager.num_free_blocks
         _require(num_held == 0, f"idle engine still holds {num_held} blocks")
 

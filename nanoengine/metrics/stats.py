@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from nanoengine.distributed.kv_transfer.base import KVTransferStats
 from nanoengine.engine import EngineCoreEventType, EngineCoreOutput, FinishReason
 from nanoengine.spec_decode.metrics import SpecDecodingStats
 
@@ -63,6 +64,10 @@ class SchedulerStats:
     num_preemptions: int  # cumulative
     # Speculative decoding (chapter 9), cumulative; None when it is off.
     spec_decoding_stats: SpecDecodingStats | None = None
+    # KV transfers between engines (chapter 10), cumulative; None without a connector.
+    kv_transfer_stats: KVTransferStats | None = None
+    # Finished requests whose blocks a producer holds for a decode engine.
+    num_held_for_remote: int = 0
 
 
 @dataclass

@@ -29,7 +29,6 @@ from nanoengine.attention.layer import bind_kv_cache, set_attention_impl
 from nanoengine.attention.selector import get_attention_impl, resolve_backend_name
 from nanoengine.config import EngineConfig
 from nanoengine.core.sched.output import GrammarOutput, SchedulerOutput
-from nanoengine.distributed.kv_transfer.worker_side import SharedStorageConnectorWorker
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from nanoengine.logprobs import LogprobsLists
 from nanoengine.model_executor import model_loader
@@ -74,6 +73,7 @@ from nanoengine.worker.kv_cache_tensors import (
     release_states,
     state_layers,
 )
+from nanoengine.worker.kv_connector import create_connector_worker, kv_connector_output
 from nanoengine.worker.prompt_logprobs import (
     PromptLogprobTargets,
     collect_prompt_logprobs,
@@ -113,7 +113,7 @@ class _PendingSample:
 class ModelRunner:
     """Owns the model, the KV cache tensors and the worker's request states."""
 
-    def __init__(self, engine_config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, engine_config: EngineConfig, device: torch.device, rank: int = 0) -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
         self.device = device
@@ -141,9 +141,10 @@ class ModelRunner:
         # Which KV cache groups the layers read: one full-attention group, plus
         # state groups for a hybrid model (set when the KV cache is bound).
         self.layer_groups = LayerGroups()
-        # The worker half of a KV connector, when this engine is part of a P/D pair.
+        # The worker half of a KV connector, when this engine is part of a P/D pair
+        # (chapters 5 and 10); a tensor-parallel rank moves its own slice of the blocks.
         transfer = engine_config.kv_transfer_config
-        self.kv_connector = SharedStorageConnectorWorker(transfer) if transfer is not None else None
+        self.kv_connector = create_connector_worker(transfer, rank) if transfer is not None else None
         self.attention_backend = resolve_backend_name(self.model_config.attention_backend, device, self.dtype)
         self.linear_backend = resolve_linear_backend(self.model_config.linear_backend, device, self.dtype)
         # CUDA graphs (chapter 7): decode only, on CUDA, with the capturable
@@ -222,6 +223,8 @@ class ModelRunner:
         if len(kv_cache_config.kv_cache_groups) == 1:
             self.kv_caches = self._allocate_kv_caches(kv_cache_config.num_blocks)
             bind_kv_cache(self.get_model(), self.kv_caches)
+            if self.kv_connector is not None:
+                self.kv_connector.register_kv_caches(self.kv_caches)
             if isinstance(self.drafter, DraftModelProposer):
                 self.drafter.initialize_kv_cache(kv_cache_config.num_blocks, self.block_size)
             return
@@ -345,7 +348,7 @@ class ModelRunner:
             self.kv_connector.wait_for_finished_requests(scheduler_output.finished_req_ids)
         if self.kv_connector is not None and metadata:
             # Loads go to a thread: their requests are blocked, others run now.
-            self.kv_connector.start_load_kv(metadata, self.kv_caches)
+            self.kv_connector.start_load_kv(metadata)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._pending = None
             return ModelRunnerOutput([], [], kv_connector_output=self._kv_connector_output())
@@ -368,7 +371,7 @@ class ModelRunner:
             [spec.get(rid, []) for rid in inputs.sampling_req_ids] if spec else [],
         )
         if self.kv_connector is not None and metadata:
-            self.kv_connector.save_kv(metadata, self.kv_caches)  # the forward pass just wrote them
+            self.kv_connector.wait_for_save(metadata)  # the forward pass just wrote the blocks
         # The scheduler already counted these tokens as computed (optimistically);
         # the worker's copy catches up now that their KV is really written.
         for state, n in zip(states, num_scheduled):
@@ -472,9 +475,12 @@ class ModelRunner:
         return drafts
 
     def _kv_connector_output(self) -> KVConnectorOutput | None:
-        if self.kv_connector is None:
-            return None
-        return KVConnectorOutput(finished_recving=self.kv_connector.get_finished())
+        return None if self.kv_connector is None else kv_connector_output(self.kv_connector)
+
+    def shutdown(self) -> None:
+        """Stop the KV connector's threads and sockets (the rest is freed with the process)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def get_model(self) -> nn.Module:
         """The loaded model (vLLM's ``GPUModelRunner.get_model``)."""

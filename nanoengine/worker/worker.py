@@ -112,7 +112,7 @@ class Worker:
         # The same seed on every rank: each samples the same tokens from the
         # same (gathered) logits, so only rank 0's output needs to travel.
         torch.manual_seed(self.engine_config.model_config.seed)
-        self.model_runner = ModelRunner(self.engine_config, self.device)
+        self.model_runner = ModelRunner(self.engine_config, self.device, self.rank)
 
     def _init_distributed(self) -> None:
         """Join the group (gloo on a CPU, NCCL on CUDA) and share the CPU among the ranks."""
@@ -132,7 +132,9 @@ class Worker:
         initialize_model_parallel(self.engine_config.parallel_config.tensor_parallel_size)
 
     def shutdown(self) -> None:
-        """Leave the tensor-parallel group (a one-rank worker never joined one)."""
+        """Stop the runner's KV connector; leave the tensor-parallel group (a one-rank worker never joined one)."""
+        if self.model_runner is not None:
+            self.model_runner.shutdown()
         if self.world_size > 1:
             destroy_model_parallel()
             destroy_distributed_environment()

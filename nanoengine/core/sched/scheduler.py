@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nanoengine.config import CacheConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
 from nanoengine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -63,11 +63,13 @@ from nanoengine.core.sched.utils import (
     validate_scheduler_configs,
     why_never_fits,
 )
-from nanoengine.distributed.kv_transfer.scheduler_side import SharedStorageConnectorScheduler
+from nanoengine.distributed.kv_transfer.base import KVTransferStats
+from nanoengine.distributed.kv_transfer.factory import create_connector_scheduler
 from nanoengine.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
+from nanoengine.exceptions import KV_LOAD_FAILED
 from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.metrics.stats import SchedulerStats
-from nanoengine.outputs import DraftTokenIds, ModelRunnerOutput
+from nanoengine.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from nanoengine.request import Request, RequestStatus
 from nanoengine.spec_decode.metrics import SpecDecodingStats
 
@@ -86,6 +88,7 @@ class Scheduler:
         kv_transfer_config: KVTransferConfig | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         validate_scheduler_configs(scheduler_config, cache_config, kv_cache_config)
         self.scheduler_config = scheduler_config
@@ -115,10 +118,18 @@ class Scheduler:
         # next update_from_output(), the only method that returns outputs.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
-        # The scheduler half of a KV connector (chapter 5), and the loads it finished.
+        # The scheduler half of a KV connector (chapters 5 and 10), and the loads it finished.
         transfer = kv_transfer_config
-        self.connector = SharedStorageConnectorScheduler(transfer, self.block_size) if transfer else None
+        self.connector = (
+            create_connector_scheduler(transfer, self.block_size, tensor_parallel_size) if transfer else None
+        )
+        self.kv_load_failure_policy = transfer.kv_load_failure_policy if transfer else "fail"
         self.finished_recving_kv_req_ids: set[str] = set()
+        # Chapter 10, on a producer: finished requests whose blocks are held
+        # until a decode engine has read them (vLLM's delay_free_blocks). They
+        # are no longer in ``requests``; only their blocks live on.
+        self.held_for_remote: dict[str, Request] = {}
+        self.kv_transfer_stats = KVTransferStats() if transfer else None
         # Speculative decoding (chapter 9): at most num_spec_tokens drafts per
         # request and step; a draft model also needs slots for its own guesses
         # beyond the verified tokens (num_lookahead_tokens, 0 for n-gram).
@@ -136,8 +147,13 @@ class Scheduler:
     # ---- requests in and out ---------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.held_for_remote:
             raise ValueError(f"Request id {request.request_id!r} is already in the scheduler.")
+        if request.kv_transfer_params is not None and self.connector is None:
+            raise ValueError("kv_transfer_params needs an engine started with a kv_transfer_config "
+                             "(a KV connector); this one has none.")
+        if self.connector is not None:
+            self.connector.validate_request(request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
         request.record_event(EngineCoreEventType.QUEUED)
@@ -443,10 +459,13 @@ class Scheduler:
         # prompt_logprobs need every prompt position computed here, as with the prefix cache.
         if request.num_computed_tokens > 0 or request.skip_reading_prefix_cache:
             return False
-        num_external = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
-        if num_external == 0:
-            return False
         manager = self.kv_cache_manager
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
+        if num_external == 0:
+            # Nothing to load: the connector may still let go of blocks held elsewhere.
+            self.connector.update_state_after_alloc(request, (), num_computed_tokens, 0)
+            return False
+        assert load_async, "nanoengine's connectors load asynchronously (WAITING_FOR_REMOTE_KVS)"
         new_blocks = manager.allocate_slots(
             request, num_external, num_computed_tokens, hit_blocks, delay_cache_blocks=True
         )
@@ -490,8 +509,8 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Fold sampled tokens into the requests, retire finished ones, report."""
         sampled_by_req = model_runner_output.by_request()
-        if model_runner_output.kv_connector_output is not None:  # remote KV loads that completed
-            self.finished_recving_kv_req_ids |= model_runner_output.kv_connector_output.finished_recving
+        if model_runner_output.kv_connector_output is not None:
+            self._update_from_kv_xfer_finished(model_runner_output.kv_connector_output)
         outputs, self._pending_outputs = self._pending_outputs, []
         stopped_running: set[Request] = set()
         stopped_waiting: list[Request] = []
@@ -514,6 +533,7 @@ class Scheduler:
             if scheduled_spec_token_ids and generated_token_ids:
                 self._roll_back_rejected(request, len(scheduled_spec_token_ids), len(generated_token_ids) - 1)
             new_token_ids, is_stopped = self._update_request_with_output(request, generated_token_ids)
+            kv_transfer_params = None
             if is_stopped:
                 if was_running:
                     stopped_running.add(request)
@@ -521,7 +541,7 @@ class Scheduler:
                     # Only async scheduling stops a waiting request: one preempted
                     # while the step that samples its last token was in flight.
                     stopped_waiting.append(request)
-                self._free_request(request)
+                kv_transfer_params = self._free_request(request)
             if new_token_ids or is_stopped:
                 outputs.append(
                     make_engine_core_output(
@@ -529,6 +549,7 @@ class Scheduler:
                         new_token_ids,
                         model_runner_output.logprobs.get(req_id),
                         model_runner_output.prompt_logprobs_dict.get(req_id),
+                        kv_transfer_params,
                     )
                 )
         if stopped_running:
@@ -536,6 +557,41 @@ class Scheduler:
         if stopped_waiting:
             self.waiting.remove_requests(stopped_waiting)
         return EngineCoreOutputs(outputs=outputs)
+
+    def _update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput) -> None:
+        """Fold in what the connector finished (chapters 5 and 10).
+
+        Loads that completed promote their requests at the next ``schedule()``;
+        blocks a decode engine has read (or that nobody came for) are freed
+        now; a failed load is handled by ``kv_load_failure_policy``.
+        """
+        self.finished_recving_kv_req_ids |= kv_connector_output.finished_recving
+        for req_id in kv_connector_output.finished_sending:
+            held = self.held_for_remote.pop(req_id, None)
+            if held is not None:
+                self.kv_cache_manager.free(held)
+        for req_id, reason in kv_connector_output.failed_recving.items():
+            request = self.requests.get(req_id)
+            if request is not None:  # else aborted while loading: already freed
+                self._handle_failed_kv_load(request, reason)
+        if self.kv_transfer_stats is not None and kv_connector_output.kv_connector_stats is not None:
+            self.kv_transfer_stats.add(kv_connector_output.kv_connector_stats)
+
+    def _handle_failed_kv_load(self, request: Request, reason: str) -> None:
+        """A remote load failed: end the request ("fail") or forget the remote KV and prefill here ("recompute").
+
+        Either way its blocks go back now: the pull is over, so nothing writes
+        them any more, and none was cached (``delay_cache_blocks``).
+        """
+        self.kv_cache_manager.free(request)
+        request.num_external_computed_tokens = 0
+        if self.kv_load_failure_policy == "recompute":
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED if request.num_preemptions > 0 else RequestStatus.WAITING
+            return
+        self.waiting.remove_requests([request])
+        message = f"{KV_LOAD_FAILED}: {reason}"
+        self._end_unscheduled(request, message, RequestStatus.FINISHED_ERROR)
 
     def _roll_back_rejected(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
         """Un-count the rejected drafts (chapter 9).
@@ -582,18 +638,29 @@ class Scheduler:
                 return new_token_ids[:num_kept], True
         return new_token_ids, False
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
         """Forget a finished request: blocks back to the pool, worker told.
 
         Its blocks may go back while a step in flight still writes its KV: that
         is safe, as the forward passes run in order and a block's next owner
         only writes it in a later step, and reads only the slots it wrote.
+        A KV connector may keep the blocks for a decode engine instead
+        (chapter 10); what it returns is the ``kv_transfer_params`` of the
+        request's last output.
         """
         if request.num_output_placeholders:
             self.finished_in_flight[request.request_id] += request.num_output_placeholders
-        self.kv_cache_manager.free(request)
+        delay_free_blocks, kv_transfer_params = False, None
+        if self.connector is not None:
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            delay_free_blocks, kv_transfer_params = self.connector.request_finished(request, block_ids)
+        if delay_free_blocks:
+            self.held_for_remote[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        return kv_transfer_params
 
     # ---- queries -----------------------------------------------------------
 
@@ -606,11 +673,16 @@ class Scheduler:
     def has_requests(self) -> bool:
         """True while a step would do anything.
 
-        That is: run a request, tell the worker about finished ones, or deliver
-        a pending (IGNORED) output. EngineCore.step() checks this, not
+        That is: run a request, tell the worker about finished ones, deliver
+        a pending (IGNORED) output, or wait for a decode engine to read held blocks. EngineCore.step() checks this, not
         ``has_unfinished_requests``, so IGNORED outputs are not stranded.
         """
-        return self.has_unfinished_requests() or bool(self.finished_req_ids) or bool(self._pending_outputs)
+        return (
+            self.has_unfinished_requests()
+            or bool(self.finished_req_ids)
+            or bool(self._pending_outputs)
+            or bool(self.held_for_remote)  # the worker must keep polling who read them
+        )
 
     def get_request_counts(self) -> tuple[int, int]:
         """(num_running, num_waiting)."""
@@ -629,6 +701,8 @@ class Scheduler:
             prefix_cache_hits=prefix_stats.hits,
             num_preemptions=self.num_preemptions,
             spec_decoding_stats=self.spec_decoding_stats,
+            kv_transfer_stats=self.kv_transfer_stats,
+            num_held_for_remote=len(self.held_for_remote),
         )
 
 

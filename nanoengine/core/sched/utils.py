@@ -12,6 +12,8 @@ live in ``vllm/config/scheduler.py``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from nanoengine.config import CacheConfig, SchedulerConfig
 from nanoengine.core.kv_cache_manager import KVCacheManager
 from nanoengine.core.sched.request_queue import SchedulingPolicy
@@ -150,6 +152,7 @@ def make_engine_core_output(
     new_token_ids: list[int],
     new_logprobs: LogprobsLists | None = None,
     new_prompt_logprobs: LogprobsLists | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> EngineCoreOutput:
     """What the front end hears about ``request`` after a step.
 
@@ -169,6 +172,7 @@ def make_engine_core_output(
         num_external_computed_tokens=request.num_external_computed_tokens,
         new_logprobs=new_logprobs,
         new_prompt_logprobs=new_prompt_logprobs,
+        kv_transfer_params=kv_transfer_params,
     )
 
 

@@ -1,21 +1,25 @@
-"""A KV connector in miniature: prefill/decode disaggregation on one machine.
+"""KV connectors: one engine uses KV blocks another engine computed.
 
-Chapter 5 (engine skeleton) uses it to make WAITING_FOR_REMOTE_KVS real; chapter
-8 (online serving) explains why one would split prefill and decode engines.
-A *producer* engine saves the KV blocks of every prompt it prefills to shared
-storage, keyed by block hash; a *consumer* engine finds a prompt's blocks there,
-loads them on a thread while the request waits in WAITING_FOR_REMOTE_KVS, and
-then computes only the rest. The connector is split as vLLM splits it:
+Chapter 5 meets WAITING_FOR_REMOTE_KVS through the smallest connector, and
+chapter 10 splits prefill and decode over two servers with a real one:
 
-* ``scheduler_side.py`` (no torch): which tokens can be loaded, which blocks
-  to load into or save from -- decisions, carried to the worker in
-  ``SchedulerOutput.kv_connector_metadata``;
-* ``worker_side.py`` (torch): copies block tensors between the KV cache and
-  the storage, and reports finished loads in ``ModelRunnerOutput``.
+* ``SharedStorageConnector`` (``shared_storage_*.py``): a *producer* engine
+  saves the KV blocks of every prompt it prefills to a directory, keyed by
+  block hash; a *consumer* engine finds a prompt's blocks there and loads them
+  on a thread while the request waits in WAITING_FOR_REMOTE_KVS. One machine.
+* ``ZmqConnector`` (``zmq/``): the prefill server holds a finished prompt's
+  blocks and tells the client where they are (``kv_transfer_params``); the
+  decode server pulls exactly the blocks it lacks over TCP (pyzmq) and decodes.
+  Two servers, on one host or two, stitched together by a proxy
+  (``nanoengine/entrypoints/disagg_proxy.py``).
+
+Each connector is split as vLLM splits it (``base.py``): a torch-free
+scheduler side that decides, and a worker side that moves tensors;
+``factory.py`` picks the scheduler side by name.
 
 vLLM 0.32 counterpart: ``vllm/distributed/kv_transfer/kv_connector/v1/``
-(``base.py``: ``KVConnectorBase_V1``, ``KVConnectorRole``, ``KVConnectorMetadata``;
-the storage-directory example connector lives beside it).
+(``base.py``; ``example_connector.py`` is the storage one; ``nixl/`` the
+network one whose ``kv_transfer_params`` the ZmqConnector speaks).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanoengine.distributed.kv_transfer.base import KVConnectorMetadata
 from nanoengine.request import BlockHash
 
 
@@ -36,8 +41,8 @@ class BlockTransfer:
 
 
 @dataclass
-class KVConnectorMetadata:
-    """One step's instructions from the scheduler side to the worker side."""
+class SharedStorageConnectorMetadata(KVConnectorMetadata):
+    """The storage connector's step: blocks to load from files, blocks to save to them."""
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)

@@ -70,6 +70,7 @@ from nanoengine.entrypoints.openai.protocol_completion import CompletionRequest
 from nanoengine.entrypoints.openai.serving import NEEDS_TOKENIZER
 from nanoengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from nanoengine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from nanoengine.exceptions import KVTransferError
 
 logger = logging.getLogger("nanoengine.serve")
 
@@ -245,6 +246,8 @@ async def _respond(request: Request, work: Awaitable[Any]) -> Response:
         result = await _cancel_on_disconnect(request, work)
     except EngineDeadError as error:
         return error_response(503, str(error))
+    except KVTransferError as error:  # chapter 10: the prefill engine's KV never arrived
+        return error_response(500, str(error))
     except (ValueError, TypeError) as error:
         return client_error(error)
     if result is None:  # the client left: nobody to answer

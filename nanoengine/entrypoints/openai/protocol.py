@@ -145,6 +145,9 @@ class SamplingFields(RequestModel):
     return_token_ids: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsIn | None = None
+    # Chapter 10: prefill on one server, decode on another (vLLM's field; the
+    # proxy sets it, nanoengine/entrypoints/disagg_proxy.py).
+    kv_transfer_params: dict[str, Any] | None = None
     # Not implemented here; declared so that asking for them is refused, not ignored.
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -201,6 +204,9 @@ class SamplingFields(RequestModel):
     def _sampling_kwargs(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         self._refuse_unsupported()
         self._refuse_stream_only_mistakes()
+        if self.kv_transfer_params and self.n != 1:
+            # One prompt's KV goes to one decode request (as in vLLM's proxy).
+            raise ValidationError(f"kv_transfer_params needs n=1, got n={self.n}.", parameter="kv_transfer_params")
         kwargs: dict[str, Any] = {
             "n": self.n,
             "max_tokens": max_tokens,
@@ -216,6 +222,7 @@ class SamplingFields(RequestModel):
             "logprobs": logprobs,
             "prompt_logprobs": self.prompt_logprobs,
             "structured_outputs": self._structured_outputs(),
+            "extra_args": {"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None,
             # A stream sends what is new at each step; a whole answer needs only the end.
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         }

@@ -116,6 +116,8 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo
     prompt_logprobs: PromptLogprobsOut | None = None
     prompt_token_ids: list[int] | None = None
+    # Chapter 10: from a prefill server, where the decode server finds the KV blocks.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ChatDelta(OpenAIModel):

@@ -13,7 +13,7 @@ and their choices and logprobs).
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -86,6 +86,8 @@ class CompletionResponse(OpenAIModel):
     service_tier: str | None = None
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    # Chapter 10: from a prefill server, where the decode server finds the KV blocks.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionStreamChoice(OpenAIModel):

@@ -41,7 +41,7 @@ from nanoengine import __version__
 from nanoengine.config import EngineConfig
 from nanoengine.engine.async_llm import AsyncLLM
 from nanoengine.entrypoints.openai.protocol import UsageInfo
-from nanoengine.exceptions import ValidationError
+from nanoengine.exceptions import ValidationError, request_error
 from nanoengine.logprobs import Logprob, PromptLogprobs
 from nanoengine.outputs import CompletionOutput, RequestOutput
 from nanoengine.renderers.hf import RenderedPrompt
@@ -140,7 +140,7 @@ async def last_outputs(generators: Sequence[AsyncGenerator[RequestOutput, None]]
     for final in finals.values():
         refused = [c for c in final.outputs if not c.token_ids and c.finish_reason in ("length", "error")]
         if final.finish_message and refused:
-            raise ValueError(final.finish_message)
+            raise request_error(final.finish_message)
     return [finals[index] for index in range(len(generators))]
 
 
@@ -191,7 +191,7 @@ async def merged(
 def raise_if_error(output: RequestOutput, completion: CompletionOutput) -> None:
     """A request the engine ended in error: a stream reports it in-band instead of just stopping."""
     if completion.finish_reason == "error":
-        raise ValueError(output.finish_message or "The engine ended the request with an error.")
+        raise request_error(output.finish_message or "The engine ended the request with an error.")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:

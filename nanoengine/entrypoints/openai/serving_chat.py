@@ -97,7 +97,8 @@ class OpenAIServingChat(OpenAIServing):
             system_fingerprint=self.system_fingerprint,
             usage=usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)),
             prompt_logprobs=prompt_logprobs_out(final.prompt_logprobs),
-            prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None)
+            prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
+            kv_transfer_params=final.kv_transfer_params)
 
     async def chat_completion_stream_generator(
         self, request: ChatCompletionRequest, request_id: str, generator: AsyncGenerator[RequestOutput, None]

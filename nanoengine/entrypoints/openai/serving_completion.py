@@ -66,7 +66,11 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_max_tokens(request.requested_max_tokens(), request.max_tokens_param)
         params = request.to_sampling_params(request.requested_max_tokens())
         self.check_grammar(params)
-        return params, [self.engine.renderer.render_prompt(p) for p in _prompt_list(request.prompt)]
+        prompts = _prompt_list(request.prompt)
+        if request.kv_transfer_params and len(prompts) != 1:
+            raise ValidationError(f"kv_transfer_params needs one prompt, got {len(prompts)}.",
+                                  parameter="kv_transfer_params")
+        return params, [self.engine.renderer.render_prompt(p) for p in prompts]
 
     async def create_completion(
         self, request: CompletionRequest, params: SamplingParams, prompts: list[RenderedPrompt]
@@ -95,7 +99,8 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = sum(len(c.token_ids) for final in finals for c in final.outputs)
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                   system_fingerprint=self.system_fingerprint,
-                                  usage=usage(prompt_tokens, completion_tokens))
+                                  usage=usage(prompt_tokens, completion_tokens),
+                                  kv_transfer_params=finals[0].kv_transfer_params if finals else None)
 
     async def completion_stream_generator(
         self, request: CompletionRequest, request_id: str, generators: list[AsyncGenerator[RequestOutput, None]]

@@ -6,8 +6,8 @@ request -- how many more prompt tokens can be loaded instead of computed
 blocks to fill (``update_state_after_alloc``). After each ``schedule()`` it
 packs the step's loads and saves for the worker (``build_connector_meta``).
 Pure Python: ``nanoengine/core`` imports it.
-vLLM 0.32 counterpart: the scheduler-role methods of ``KVConnectorBase_V1`` in
-``vllm/distributed/kv_transfer/kv_connector/v1/base.py``.
+vLLM 0.32 counterpart: the scheduler-role methods of ``ExampleConnector`` in
+``vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py``.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from nanoengine.config import KVTransferConfig
-from nanoengine.distributed.kv_transfer import BlockTransfer, KVConnectorMetadata, block_file
+from nanoengine.distributed.kv_transfer import BlockTransfer, SharedStorageConnectorMetadata, block_file
+from nanoengine.distributed.kv_transfer.base import KVConnectorScheduler
 from nanoengine.kv_cache_interface import FULL_ATTENTION_GROUP
 from nanoengine.request import Request
 
 
-class SharedStorageConnectorScheduler:
+class SharedStorageConnectorScheduler(KVConnectorScheduler):
     """Matches prompts against the storage directory and plans block copies."""
 
     def __init__(self, config: KVTransferConfig, block_size: int) -> None:
@@ -28,15 +29,15 @@ class SharedStorageConnectorScheduler:
         self.block_size = block_size
         self._pending_loads: list[BlockTransfer] = []
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Prompt tokens beyond ``num_computed_tokens`` whose KV the storage holds.
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Prompt tokens beyond ``num_computed_tokens`` whose KV the storage holds; loaded async.
 
         Whole blocks only, and never the last prompt token: its forward pass
         produces the logits of the first output token, so it is always computed
         here (the same rule as a local prefix-cache hit).
         """
         if not self.config.is_consumer:
-            return 0
+            return 0, False
         max_blocks = (request.num_tokens - 1) // self.block_size
         num_blocks = 0
         while (
@@ -44,7 +45,8 @@ class SharedStorageConnectorScheduler:
             and block_file(self.config.shared_storage_path, request.block_hashes[num_blocks]).exists()
         ):
             num_blocks += 1
-        return max(num_blocks * self.block_size - num_computed_tokens, 0)
+        num_external = max(num_blocks * self.block_size - num_computed_tokens, 0)
+        return num_external, num_external > 0
 
     def update_state_after_alloc(
         self,
@@ -58,6 +60,8 @@ class SharedStorageConnectorScheduler:
         ``block_ids`` has one list per KV cache group; the stored files hold
         full-attention K/V, so only that group's blocks are filled.
         """
+        if num_external_tokens == 0:
+            return
         first = num_computed_tokens // self.block_size
         last = (num_computed_tokens + num_external_tokens) // self.block_size
         table = block_ids[FULL_ATTENTION_GROUP]
@@ -70,14 +74,14 @@ class SharedStorageConnectorScheduler:
         requests: Mapping[str, Request],
         num_scheduled_tokens: Mapping[str, int],
         get_block_ids: Callable[[str], tuple[list[int], ...]],
-    ) -> KVConnectorMetadata:
+    ) -> SharedStorageConnectorMetadata:
         """This step's loads (planned since the last step) and saves.
 
         A producer saves a prompt's full blocks in the step that completes its
         prefill: the forward pass writes their K/V, the worker copies them out
         right after, before the blocks could be freed or reused.
         """
-        metadata = KVConnectorMetadata(loads=self._pending_loads)
+        metadata = SharedStorageConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
         if not self.config.is_producer:
             return metadata
