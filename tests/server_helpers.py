@@ -60,34 +60,63 @@ def wait_until(condition: object, seconds: float, interval: float = 0.05) -> boo
 def running_server(model: str, *flags: str, api_key: str | None = API_KEY,
                    log: Path | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """``log``: a file that receives the server's output (its access lines and warnings)."""
-    port = free_port()
-    args = [NANOENGINE, "serve", model, "--host", "127.0.0.1", "--port", str(port), *flags]
-    if api_key is not None:
-        args += ["--api-key", api_key]
-    sink = None if log is None else log.open("wb")
-    server = subprocess.Popen(args, stdout=sink, stderr=None if sink is None else subprocess.STDOUT)
+    with running_processes([serve_command(model, *flags, api_key=api_key)], log) as (started,):
+        yield started
+
+
+def serve_command(model: str, *flags: str, api_key: str | None = API_KEY) -> list[str]:
+    """``nanoengine serve`` on a free port; ``{port}`` stands for it until ``running_processes`` fills it in."""
+    args = [NANOENGINE, "serve", model, "--host", "127.0.0.1", "--port", "{port}", *flags]
+    return args + (["--api-key", api_key] if api_key is not None else [])
+
+
+@contextmanager
+def running_processes(commands: list[list[str]], log: Path | None = None,
+                      ports: list[int] | None = None) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
+    """Start every command at once (``{port}`` in one is its own free port, or ``ports[i]``), wait
+    until each answers ``/health``, yield ``(base URL, process)`` for each; on exit stop them all
+    (SIGTERM, then SIGKILL) and check that no child process (an engine core, a rank) outlives them."""
+    ports = ports or [free_port() for _ in commands]
+    sink = None if log is None else log.open("ab")
+    servers = [subprocess.Popen([arg.replace("{port}", str(port)) for arg in command], stdout=sink,
+                                stderr=None if sink is None else subprocess.STDOUT)
+               for command, port in zip(commands, ports)]
     if sink is not None:
-        sink.close()  # the server holds its own copy of the file
-    base_url = f"http://127.0.0.1:{port}"
-    cores: list[int] = []
+        sink.close()  # each server holds its own copy of the file
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    children: dict[int, list[int]] = {}
     try:
-        ready = wait_until(lambda: _healthy(base_url) or server.poll() is not None, 180, 0.25)
-        assert ready and server.poll() is None, "the server did not come up"
-        cores = child_pids(server.pid)
-        yield base_url, server
+        for url, server in zip(urls, servers):
+            ready = wait_until(lambda: _healthy(url) or server.poll() is not None, 180, 0.25)
+            assert ready and server.poll() is None, f"the server at {url} did not come up: {server.args}"
+            children[server.pid] = descendant_pids(server.pid)
+        yield list(zip(urls, servers))
     finally:
-        cores = cores or child_pids(server.pid)
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
+        for server in servers:
+            children[server.pid] = children.get(server.pid) or descendant_pids(server.pid)
+            if server.poll() is None:
+                server.send_signal(signal.SIGTERM)
+        for server in servers:
             try:
                 server.wait(15)
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait(10)
+        cores = [pid for pids in children.values() for pid in pids]
         leftovers = [pid for pid in cores if not wait_until(lambda pid=pid: not is_running(pid), 10)]
         for pid in leftovers:
             os.kill(pid, signal.SIGKILL)
         assert not leftovers, f"engine core processes outlived their server: {leftovers}"
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Children, grandchildren ... of ``pid`` (a server's engine core and its tensor-parallel ranks)."""
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for parent in frontier for child in child_pids(parent)]
+        found += children
+        frontier = children
+    return found
 
 
 def _healthy(base_url: str) -> bool:

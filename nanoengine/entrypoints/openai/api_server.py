@@ -243,7 +243,7 @@ def client_error(error: ValueError | TypeError) -> JSONResponse:
 async def _respond(request: Request, work: Awaitable[Any]) -> Response:
     """Run a generation; a disconnect aborts it, the client's mistakes become 400s."""
     try:
-        result = await _cancel_on_disconnect(request, work)
+        result = await cancel_on_disconnect(request, work)
     except EngineDeadError as error:
         return error_response(503, str(error))
     except KVTransferError as error:  # chapter 10: the prefill engine's KV never arrived
@@ -257,7 +257,7 @@ async def _respond(request: Request, work: Awaitable[Any]) -> Response:
     return StreamingResponse(result, media_type="text/event-stream")
 
 
-async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     """Await ``work`` unless the client disconnects first; then cancel it (None).
 
     Cancelling the handler closes its ``AsyncLLM.generate`` generators, which

@@ -176,10 +176,13 @@ class ServerMetrics:
 
         # The core's prefix-cache and draft counters are running totals, and a
         # Prometheus counter only goes up by increments: keep the last totals seen.
-        self._last_totals: dict[str, int] = {}
+        self._last_totals: dict[str, float] = {}
         # Speculative decoding's counters (chapter 9): made when the core first
         # reports draft counts, so a server that does not speculate has none.
         self.spec_decode: SpecDecodeCounters | None = None
+        # KV transfers between engines (chapter 10): made when the core first
+        # reports them, so a server without a KV connector has none.
+        self.kv_transfer: KVTransferMetrics | None = None
 
     def update_engine_stats(self, stats: dict[str, Any]) -> None:
         """The core's current state (``EngineCoreProc.get_stats``), at scrape time."""
@@ -204,7 +207,19 @@ class ServerMetrics:
             for position, total in enumerate(spec["num_accepted_tokens_per_pos"]):
                 self._advance(counters.num_accepted_tokens_per_pos[position], f"spec_accepted_pos_{position}", total)
 
-    def _advance(self, metric: Counter, key: str, total: int) -> None:
+        transfer = stats.get("kv_transfer")
+        if transfer is not None:
+            self._update_kv_transfer(transfer, stats["num_held_for_remote"])
+
+    def _update_kv_transfer(self, transfer: dict[str, Any], num_held: int) -> None:
+        if self.kv_transfer is None:
+            self.kv_transfer = KVTransferMetrics(self.registry, self._labelnames, self._labelvalues)
+        metrics = self.kv_transfer
+        for name, counter in metrics.counters.items():
+            self._advance(counter, f"kv_{name}", transfer[name])
+        metrics.num_held_for_remote.set(num_held)
+
+    def _advance(self, metric: Counter, key: str, total: float) -> None:
         """Bring ``metric`` up to the core's running ``total`` (``key`` names it among the totals seen)."""
         increase = total - self._last_totals.get(key, 0)
         if increase > 0:
@@ -272,3 +287,33 @@ class SpecDecodeCounters:
                                [*labelnames, "position"], registry=registry)
         self.num_accepted_tokens_per_pos = [per_position.labels(*values, str(position))
                                             for position in range(num_positions)]
+
+
+class KVTransferMetrics:
+    """KV moved between a prefill and a decode engine (chapter 10), bound to one server's labels.
+
+    vLLM reports the same figures per connector (``vllm:nixl_bytes_transferred``,
+    ``vllm:nixl_xfer_time_seconds``, ``vllm:nixl_num_failed_transfers``,
+    ``vllm:nixl_num_kv_expired_reqs`` for NIXL, as histograms of each transfer);
+    here they are running totals under a connector-neutral ``vllm:kv_transfer_``
+    prefix, since the core sends totals. A producer counts what it sent, a
+    consumer what it received.
+    """
+
+    def __init__(self, registry: CollectorRegistry, labelnames: list[str], values: list[str]) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labelnames, registry=registry).labels(*values)
+
+        # Keyed by the field of KVTransferStats each one follows.
+        self.counters = {
+            "num_transfers": counter("vllm:kv_transfer_num_transfers", "Block transfers completed."),
+            "bytes_transferred": counter("vllm:kv_transfer_bytes", "Bytes of K/V moved."),
+            "transfer_seconds": counter("vllm:kv_transfer_time_seconds", "Seconds spent in transfers, summed."),
+            "num_failed_transfers": counter("vllm:kv_transfer_num_failed_transfers",
+                                            "Transfers that failed (no answer, refused, wrong shape)."),
+            "num_expired_holds": counter("vllm:kv_transfer_num_expired_reqs",
+                                         "Held prefills freed because no decode engine read them in time."),
+        }
+        self.num_held_for_remote = Gauge("nanoengine:kv_transfer_held_requests",
+                                         "Finished prefills whose blocks wait for a decode engine.",
+                                         labelnames, registry=registry).labels(*values)
