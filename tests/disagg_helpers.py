@@ -15,8 +15,11 @@ import httpx
 from server_helpers import API_KEY, NANOENGINE, free_port, serve_command
 
 MAX_MODEL_LEN = 2048
+# fp32: bf16 rounds the last prompt token (computed on the decode side) differently enough to flip near-ties.
+# fp32: in bf16 the decode side's own pass over the last prompt token rounds differently
+# from a colocated prefill's, enough to flip a near-tie of the random tiny model.
 SERVE_FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--block-size", "16", "--served-model-name", "m",
-               "--uvicorn-log-level", "warning")
+               "--dtype", "float32", "--uvicorn-log-level", "warning")
 
 
 def long_context_model(tiny_model: str, tmp_path: Path) -> str:

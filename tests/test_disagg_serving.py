@@ -80,3 +80,90 @@ def test_greedy_tokens_through_the_proxy_equal_a_colocated_server(model: str) ->
         assert metric(urls[2], "vllm:kv_transfer_bytes_total") < metric(urls[3], "vllm:kv_transfer_bytes_total")
         # ... and nobody holds a block now.
         assert _no_blocks_held(*urls[:4])
+
+
+def _kill_hard(pid: int) -> None:
+    """``kill -9`` of a server and everything under it (its engine core holds the blocks)."""
+    from server_helpers import descendant_pids
+
+    for victim in [pid, *descendant_pids(pid)]:
+        os.kill(victim, signal.SIGKILL)
+
+
+def test_a_producer_killed_before_the_pulls(model: str) -> None:
+    """20 prefills done, the producer killed with ``kill -9``, then the 20 pulls.
+
+    With ``fail`` every request ends with a 500 that says what happened; with
+    ``recompute`` every request finishes with the colocated tokens. Both
+    consumers keep serving and hold no block afterwards.
+    """
+    ports = [free_port() for _ in range(4)]
+    ref, prod, failing, recomputing = ports
+    quick = {"kv_connector_extra_config": {"transfer_timeout_s": 2}}
+    commands = [colocated(model), producer(model), consumer(model, kv_load_failure_policy="fail", **quick),
+                consumer(model, kv_load_failure_policy="recompute", **quick)]
+    prompts = _prompts(20, seed=1)
+    with running_processes(commands, ports=ports) as started:
+        urls = [url for url, _ in started]
+        with ThreadPoolExecutor(20) as pool:
+            expected = list(pool.map(lambda p: token_ids(completion(urls[0], p, MAX_TOKENS)), prompts))
+            prefills = list(pool.map(lambda p: completion(urls[1], p, 1, kv_transfer_params={
+                "do_remote_decode": True}), prompts))
+            params = [answer["kv_transfer_params"] for answer in prefills]
+            assert metric(urls[1], "nanoengine:kv_transfer_held_requests") == 20
+            _kill_hard(started[1][1].pid)
+            failed = list(pool.map(lambda pp: completion(urls[2], pp[0], MAX_TOKENS, kv_transfer_params=pp[1]),
+                                   zip(prompts, params)))
+            recomputed = list(pool.map(lambda pp: token_ids(completion(urls[3], pp[0], MAX_TOKENS,
+                                                                       kv_transfer_params=pp[1])),
+                                       zip(prompts, params)))
+        for answer in failed:
+            assert answer["error"]["code"] == 500, answer
+            assert "Loading the KV cache from the prefill engine failed" in answer["error"]["message"]
+            assert "did not answer within 2 s" in answer["error"]["message"]
+        assert recomputed == expected
+        for url in urls[2:]:
+            assert metric(url, "vllm:kv_transfer_num_failed_transfers_total") == 20
+            assert token_ids(completion(url, prompts[0], MAX_TOKENS)) == expected[0]  # still serving
+        assert _no_blocks_held(*urls[2:])
+
+
+def test_a_soak_with_hang_ups_through_the_proxy_loses_nothing(model: str) -> None:
+    """300 requests, 20% of whose clients hang up early; the rest get the colocated tokens.
+
+    Hang-ups land anywhere: during the prefill, between the two requests (the
+    producer then frees the blocks after its timeout, 2 s here), or during the
+    decode (the consumer aborts and, mid-pull, releases the producer's blocks).
+    """
+    ports = [free_port() for _ in range(4)]
+    ref, prod, cons, front = ports
+    commands = [colocated(model), producer(model, kv_connector_extra_config={"abort_request_timeout_s": 2}),
+                consumer(model), proxy(prod, cons)]
+    prompts = _prompts(30, seed=2)
+    rng = random.Random(3)
+    plan = [(rng.randrange(len(prompts)), rng.random() < 0.2, rng.random() < 0.5) for _ in range(300)]
+    with running_processes(commands, ports=ports) as started:
+        urls = [url for url, _ in started]
+
+        def one(item: tuple[int, bool, bool]) -> list[int] | None:
+            index, hang_up, stream = item
+            if not hang_up:
+                return token_ids(completion(urls[3], prompts[index], MAX_TOKENS, stream))
+            try:
+                completion(urls[3], prompts[index], 64, stream, timeout=rng.uniform(0.01, 0.3))
+            except httpx.TimeoutException:
+                pass  # the client gave up: the connection closes
+            return None
+
+        with ThreadPoolExecutor(16) as pool:
+            expected = list(pool.map(lambda p: token_ids(completion(urls[0], p, MAX_TOKENS)), prompts))
+            deadline_s = 300
+            futures = [pool.submit(one, item) for item in plan]
+            results = [future.result(timeout=deadline_s) for future in futures]
+        for (index, hang_up, _), got in zip(plan, results):
+            if not hang_up:
+                assert got == expected[index]
+        assert sum(hang_up for _, hang_up, _ in plan) >= 40
+        assert _no_blocks_held(urls[1], urls[2], seconds=15)
+        assert metric(urls[1], "nanoengine:kv_transfer_held_requests") == 0
+        assert metric(urls[2], "vllm:num_requests_running") == 0

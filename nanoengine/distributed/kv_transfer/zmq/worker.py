@@ -193,9 +193,11 @@ class ZmqConnectorWorker(KVConnectorWorker):
                                                              "here (expired, already read, or unknown)")
                 return True
             del self._holds[request.request_id]
-            self._finished_sending.add(request.request_id)
         if request.op == "read":
             self._send_blocks(socket, read.identity, request, hold)
+        # Only now may the scheduler free the blocks: the read above copied them out.
+        with self._lock:
+            self._finished_sending.add(request.request_id)
         return True
 
     def _send_blocks(self, socket: zmq.Socket[bytes], identity: bytes, request: PullRequest, hold: _Hold) -> None:
