@@ -167,3 +167,25 @@ def test_a_soak_with_hang_ups_through_the_proxy_loses_nothing(model: str) -> Non
         assert _no_blocks_held(urls[1], urls[2], seconds=15)
         assert metric(urls[1], "nanoengine:kv_transfer_held_requests") == 0
         assert metric(urls[2], "vllm:num_requests_running") == 0
+
+
+def test_tensor_parallel_prefill_and_decode(model: str) -> None:
+    """Two ranks on each side (mp executor): rank r pulls its slice of the heads from rank r."""
+    ports = [free_port() for _ in range(4)]
+    ref, prod, cons, front = ports
+    tp = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
+    # No prefix cache on the consumer: every request pulls, so the transfers can be counted.
+    commands = [colocated(model), producer(model, *tp), consumer(model, *tp, "--no-enable-prefix-caching"),
+                proxy(prod, cons)]
+    prompts = _prompts(10, seed=4)
+    with running_processes(commands, ports=ports) as started:
+        urls = [url for url, _ in started]
+        with ThreadPoolExecutor(4) as pool:
+            expected = list(pool.map(lambda p: token_ids(completion(urls[0], p, MAX_TOKENS)), prompts))
+            for stream in (False, True):
+                got = list(pool.map(lambda p: token_ids(completion(urls[3], p, MAX_TOKENS, stream)), prompts))
+                assert got == expected
+        assert metric(urls[1], "vllm:kv_transfer_num_transfers_total") == 2 * 2 * len(prompts)  # two ranks
+        assert _no_blocks_held(urls[1], urls[2])
+        params = completion(urls[1], prompts[0], 1, kv_transfer_params={"do_remote_decode": True})
+        assert params["kv_transfer_params"]["tp_size"] == 2  # a decode engine of another size refuses it
