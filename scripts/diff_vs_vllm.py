@@ -223,7 +223,6 @@ class Deliberate:
 _ABSENT = "vLLM's field of a feature nanoengine does not have, always null unless asked for: "
 _NAMED = "nanoengine names the refused field in param; vLLM leaves it null"
 DELIBERATE: tuple[Deliberate, ...] = (
-    Deliberate("*", "kv_transfer_params", _ABSENT + "KV transfer between serving instances"),
     Deliberate("*", "ec_transfer_params", _ABSENT + "encoder-cache transfer (multimodal models)"),
     Deliberate("*", "metrics", _ABSENT + "per-request timings in the body (--enable-per-request-metrics)"),
     Deliberate("*", "choices[].routed_experts", _ABSENT + "mixture-of-experts routing"),

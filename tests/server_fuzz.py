@@ -213,6 +213,8 @@ def sampling_fields(target: Target) -> dict[str, Strategy]:
         "response_format": response_formats(),
         "structured_outputs": structured_outputs(),
         "user": PLAIN_TEXT,
+        # On a server with no KV connector vLLM's disaggregation fields are carried and ignored.
+        "kv_transfer_params": no | st.fixed_dictionaries({"do_remote_decode": st.booleans()}),
         # Fields the server refuses when used; their in-range value asks for nothing.
         "tools": no | st.just([]),
         "tool_choice": no | st.just("none"),
@@ -295,6 +297,8 @@ def edge_values(target: Target) -> dict[str, Strategy]:
         "repetition_penalty": st.sampled_from([0, -1, 1e-300, 1e308]),
         "logit_bias": st.sampled_from([{"-1": 1}, {"abc": 1}, {str(vocab): 1}, {str(2**64): 1}, {"1": 1e308},
                                        {"1.5": 1}, {"": 0}, {"1": 101}]),
+        "kv_transfer_params": st.sampled_from(["x", 5, [], {"do_remote_prefill": True, "remote_block_ids": "x"},
+                                               {"do_remote_prefill": True, "remote_port": -1}]),
         "stop": st.sampled_from(["", [""], ["a", ""], ["\ud800"], "x" * 5000, ["a"] * 500]),
         "stop_token_ids": ids_with_a_bad_one,
         "logprobs": counts,
