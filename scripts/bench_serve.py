@@ -70,7 +70,8 @@ def workload(num_prompts: int, seed: int, vocab_words: int = 2000) -> list[tuple
     return [(" ".join(rng.choices(words, k=rng.randint(16, 256))), rng.randint(16, 256)) for _ in range(num_prompts)]
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> RequestResult:
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str | list[int],
+                      max_tokens: int) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()

@@ -15,7 +15,6 @@ import httpx
 from server_helpers import API_KEY, NANOENGINE, free_port, serve_command
 
 MAX_MODEL_LEN = 2048
-# fp32: bf16 rounds the last prompt token (computed on the decode side) differently enough to flip near-ties.
 # fp32: in bf16 the decode side's own pass over the last prompt token rounds differently
 # from a colocated prefill's, enough to flip a near-tie of the random tiny model.
 SERVE_FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--block-size", "16", "--served-model-name", "m",
@@ -60,7 +59,7 @@ def proxy(prefill_port: int, decode_port: int) -> list[str]:
 
 def completion(base_url: str, prompt: list[int], max_tokens: int, stream: bool = False,
                timeout: float = 120.0, **body: Any) -> dict[str, Any]:
-    """A greedy completion; a stream is joined into ``{"token_ids": [...], "text": ...}``."""
+    """A greedy completion; a stream is joined into ``{"token_ids": [...]}``; an error is its JSON."""
     request = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                "return_token_ids": True, "stream": stream, **body}
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -68,6 +67,9 @@ def completion(base_url: str, prompt: list[int], max_tokens: int, stream: bool =
         return httpx.post(f"{base_url}/v1/completions", json=request, headers=headers, timeout=timeout).json()
     token_ids: list[int] = []
     with httpx.stream("POST", f"{base_url}/v1/completions", json=request, headers=headers, timeout=timeout) as reply:
+        if reply.status_code != 200:  # refused before the stream began: OpenAI's error JSON
+            reply.read()
+            return dict(reply.json())
         for line in reply.iter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[len("data: "):])

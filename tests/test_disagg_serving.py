@@ -80,6 +80,13 @@ def test_greedy_tokens_through_the_proxy_equal_a_colocated_server(model: str) ->
         assert metric(urls[2], "vllm:kv_transfer_bytes_total") < metric(urls[3], "vllm:kv_transfer_bytes_total")
         # ... and nobody holds a block now.
         assert _no_blocks_held(*urls[:4])
+        # Params a decode server cannot act on get a 400 naming the field, before any stream starts.
+        bad = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "h",
+               "remote_port": 1, "remote_block_ids": [0], "tp_size": 2}
+        for stream in (False, True):
+            refused = completion(urls[2], prompts[0], 2, stream, kv_transfer_params=bad)
+            assert refused["error"]["code"] == 400 and refused["error"]["param"] == "kv_transfer_params"
+            assert "tensor_parallel_size=2" in refused["error"]["message"]
 
 
 def _kill_hard(pid: int) -> None:

@@ -186,10 +186,15 @@ def test_params_the_consumer_cannot_act_on_are_refused(
         add(consumer, "c", PROMPT, _greedy(**params))
 
 
-def test_kv_transfer_params_need_a_connector(tiny_llama: str) -> None:
+def test_without_a_connector_kv_transfer_params_are_ignored_as_in_vllm(tiny_llama: str) -> None:
     engine = make_engine(tiny_llama)
-    with pytest.raises(ValueError, match="kv_transfer_params needs an engine started with a kv_transfer_config"):
-        add(engine, "c", PROMPT, _greedy(do_remote_decode=True))
+    add(engine, "plain", PROMPT, _greedy(3))
+    add(engine, "asked", PROMPT, _greedy(3, do_remote_decode=True))
+    outputs = run(engine)
+    assert outputs["asked"].outputs[0].token_ids == outputs["plain"].outputs[0].token_ids
+    assert outputs["asked"].kv_transfer_params is None
+    with pytest.raises(ValueError, match="kv_transfer_params must be a JSON object, got 5"):
+        add(engine, "bad", PROMPT, SamplingParams(max_tokens=3, extra_args={"kv_transfer_params": 5}))
     engine.shutdown()
 
 

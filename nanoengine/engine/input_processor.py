@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 
 from nanoengine.config import ModelConfig
+from nanoengine.distributed.kv_transfer.base import KVConnectorScheduler
 from nanoengine.engine import EngineCoreRequest
 from nanoengine.exceptions import ValidationError
 from nanoengine.renderers.hf import RenderedPrompt
@@ -22,12 +23,16 @@ class InputProcessor:
     """Validates against the model's limits and fills in engine-side defaults."""
 
     def __init__(
-        self, model_config: ModelConfig, eos_token_ids: Iterable[int], async_scheduling: bool = False
+        self, model_config: ModelConfig, eos_token_ids: Iterable[int], async_scheduling: bool = False,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.model_config = model_config
         # The tokenizer's EOS and any extra ones from generation_config.json.
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.async_scheduling = async_scheduling
+        # Chapter 10: a copy of the scheduler side of the engine's KV connector,
+        # used here only to refuse kv_transfer_params it could not act on.
+        self.kv_connector = kv_connector
 
     def process_inputs(
         self,
@@ -47,6 +52,7 @@ class InputProcessor:
         self._validate_params(params)
         prompt_ids = rendered["prompt_token_ids"]
         self._validate_prompt(prompt_ids)
+        self._validate_kv_transfer_params(params, len(prompt_ids))
         params = params.clone()
         self._fill_engine_defaults(params, len(prompt_ids))
         return EngineCoreRequest(
@@ -76,6 +82,18 @@ class InputProcessor:
             count = getattr(params, name)
             if count is not None and count > vocab:
                 raise ValueError(f"{name}={count} asks for more tokens than the vocabulary has ({vocab}).")
+
+    def _validate_kv_transfer_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """vLLM's disaggregation fields: a dict; acted on, and so checked, only with a KV connector."""
+        kv_params = (params.extra_args or {}).get("kv_transfer_params")
+        if kv_params is None:
+            return
+        if not isinstance(kv_params, dict):
+            raise ValidationError(f"kv_transfer_params must be a JSON object, got {kv_params!r:.100}.",
+                                  parameter="kv_transfer_params")
+        # Without a connector vLLM ignores them, and so does the scheduler here.
+        if self.kv_connector is not None:
+            self.kv_connector.validate_request(kv_params, num_prompt_tokens)
 
     def _validate_needs_tokenizer(self, params: SamplingParams) -> None:
         """With ``skip_tokenizer_init=True`` there is no text to match a stop string

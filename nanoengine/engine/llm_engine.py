@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from nanoengine.config import EngineConfig
+from nanoengine.distributed.kv_transfer.factory import create_connector_scheduler
 from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.engine.core_client import EngineCoreClient
 from nanoengine.engine.input_processor import InputProcessor
@@ -43,8 +44,12 @@ class LLMEngine:
         self.tokenizer = None if model_config.skip_tokenizer_init else get_tokenizer(model_config.model_path)
         self.renderer = HfRenderer(self.tokenizer)
         eos_ids = get_generation_eos_ids(model_config.model_path, self.tokenizer, model_config.hf_config)
+        transfer = engine_config.kv_transfer_config
         self.input_processor = InputProcessor(
-            model_config, eos_ids, async_scheduling=engine_config.scheduler_config.async_scheduling
+            model_config, eos_ids, async_scheduling=engine_config.scheduler_config.async_scheduling,
+            kv_connector=create_connector_scheduler(transfer, engine_config.cache_config.block_size,
+                                                    engine_config.parallel_config.tensor_parallel_size)
+            if transfer else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Building the client builds the EngineCore: weights, profiling, KV cache;

@@ -149,11 +149,6 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in self.held_for_remote:
             raise ValueError(f"Request id {request.request_id!r} is already in the scheduler.")
-        if request.kv_transfer_params is not None and self.connector is None:
-            raise ValueError("kv_transfer_params needs an engine started with a kv_transfer_config "
-                             "(a KV connector); this one has none.")
-        if self.connector is not None:
-            self.connector.validate_request(request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
         request.record_event(EngineCoreEventType.QUEUED)

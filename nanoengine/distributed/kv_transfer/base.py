@@ -66,10 +66,11 @@ class KVTransferStats:
 class KVConnectorScheduler(ABC):
     """The scheduler side (vLLM's scheduler-role methods of ``KVConnectorBase_V1``)."""
 
-    def validate_request(self, request: Request) -> None:
+    def validate_request(self, kv_transfer_params: dict[str, Any], num_prompt_tokens: int) -> None:
         """Refuse, with a ValueError naming the field, a request this connector cannot serve.
 
-        Called by ``Scheduler.add_request``; the default accepts everything.
+        Called by the front end's ``InputProcessor``, before a server answers
+        200, so a bad request gets a 400; the default accepts everything.
         """
 
     @abstractmethod

@@ -33,6 +33,7 @@ from typing import Any
 from nanoengine.config import KVTransferConfig
 from nanoengine.distributed.kv_transfer.base import KVConnectorScheduler
 from nanoengine.distributed.kv_transfer.zmq.metadata import PullPlan, ZmqConnectorMetadata
+from nanoengine.exceptions import ValidationError
 from nanoengine.kv_cache_interface import FULL_ATTENTION_GROUP
 from nanoengine.request import Request, RequestStatus
 
@@ -51,6 +52,10 @@ _REMOTE_FIELDS: dict[str, type | tuple[type, ...]] = {
 _FINISHED_WITH_KV = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
+def _refusal(message: str) -> ValidationError:
+    return ValidationError(message, parameter="kv_transfer_params")
+
+
 class ZmqConnectorScheduler(KVConnectorScheduler):
     """Plans holds (producer) and pulls (consumer); the worker side carries them out."""
 
@@ -64,34 +69,33 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
 
     # ---- a request arrives --------------------------------------------------
 
-    def validate_request(self, request: Request) -> None:
+    def validate_request(self, kv_transfer_params: dict[str, Any], num_prompt_tokens: int) -> None:
         """Refuse params this engine cannot act on, naming the field and the limit."""
-        params = request.kv_transfer_params
-        if params is None:
-            return
+        params = kv_transfer_params
         if params.get("do_remote_decode") and not self.config.is_producer:
-            raise ValueError(f"kv_transfer_params.do_remote_decode needs a kv_producer engine; "
-                             f"this one is {self.config.kv_role}.")
+            raise _refusal(f"kv_transfer_params.do_remote_decode needs a kv_producer engine; "
+                           f"this one is {self.config.kv_role}.")
         if not params.get("do_remote_prefill"):
             return
         if not self.config.is_consumer:
-            raise ValueError(f"kv_transfer_params.do_remote_prefill needs a kv_consumer engine; "
-                             f"this one is {self.config.kv_role}.")
+            raise _refusal(f"kv_transfer_params.do_remote_prefill needs a kv_consumer engine; "
+                           f"this one is {self.config.kv_role}.")
         for name, kind in _REMOTE_FIELDS.items():
             value = params.get(name)
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise TypeError(f"kv_transfer_params.{name} must be a {getattr(kind, '__name__', kind)}, "
-                                 f"got {value!r}.")
+                raise _refusal(f"kv_transfer_params.{name} must be a {getattr(kind, '__name__', kind)}, "
+                               f"got {value!r:.200}.")
         if params["tp_size"] != self.tensor_parallel_size:
-            raise ValueError(
+            raise _refusal(
                 f"kv_transfer_params.tp_size: the prefill engine has tensor_parallel_size={params['tp_size']}, "
                 f"this decode engine has {self.tensor_parallel_size}; both sides must be the same size."
             )
         blocks = params["remote_block_ids"]
-        needed = -(-(request.num_prompt_tokens - 1) // self.block_size)
-        if len(blocks) < needed or not all(isinstance(b, int) and b >= 0 for b in blocks):
-            raise ValueError(f"kv_transfer_params.remote_block_ids must be at least {needed} block ids for a "
-                             f"{request.num_prompt_tokens}-token prompt, got {blocks!r:.200}.")
+        needed = -(-(num_prompt_tokens - 1) // self.block_size)
+        if len(blocks) < needed or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0
+                                           for b in blocks):
+            raise _refusal(f"kv_transfer_params.remote_block_ids must be at least {needed} block ids for a "
+                           f"{num_prompt_tokens}-token prompt, got {blocks!r:.200}.")
 
     # ---- consumer ---------------------------------------------------------------
 
