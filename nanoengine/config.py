@@ -138,6 +138,16 @@ DEFAULT_ABORT_REQUEST_TIMEOUT_S = 480.0
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 
 
+
+def check_config_dict(name: str, config_class: type, value: Any) -> None:
+    """A config given in vLLM's dict (JSON) form: a dict whose keys are all fields of ``config_class``."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a dict (JSON object), got {value!r}.")
+    unknown = sorted(set(value) - {f.name for f in fields(config_class)})
+    if unknown:
+        raise ValueError(f"{name} has unknown key(s) {unknown}; accepted: "
+                         f"{sorted(f.name for f in fields(config_class))}.")
+
 @dataclass
 class KVTransferConfig:
     """A KV connector between engines (chapter 5: WAITING_FOR_REMOTE_KVS; chapter 10: P/D).
@@ -211,12 +221,7 @@ class KVTransferConfig:
         """vLLM's JSON form (``--kv-transfer-config``); an unknown key is an error naming it."""
         if isinstance(value, KVTransferConfig):
             return value
-        if not isinstance(value, dict):
-            raise TypeError(f"kv_transfer_config must be a dict (JSON object), got {value!r}.")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config has unknown key(s) {unknown}; accepted: {sorted(known)}.")
+        check_config_dict("kv_transfer_config", cls, value)
         if "kv_connector" not in value:
             raise ValueError(f"kv_transfer_config needs kv_connector: one of {sorted(KV_CONNECTOR_EXTRA_KEYS)}.")
         return cls(**value)

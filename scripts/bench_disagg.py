@@ -145,8 +145,8 @@ def measure(commands: list[list[str]], turns: list[Turn], concurrency: int, roun
     server's transfer counters (empty for the colocated set-up)."""
     ports = [free_port() for _ in commands]
     # The proxy's two back ends: the first server prefills, the one before the proxy decodes.
-    named = {"{prefill}": f"http://127.0.0.1:{ports[0]}", "{decode}": f"http://127.0.0.1:{ports[-2]}"}
-    filled = [[named.get(arg, arg) for arg in command] for command in commands] if len(ports) > 1 else commands
+    named = {"{prefill}": f"http://127.0.0.1:{ports[0]}", "{decode}": f"http://127.0.0.1:{ports[-2 % len(ports)]}"}
+    filled = [[named.get(arg, arg) for arg in command] for command in commands]
     with running_processes(filled, ports=ports) as started:
         urls = [url for url, _ in started]
         asyncio.run(run_load(urls[-1], turns[:4], 4))  # warm-up, not reported

@@ -28,6 +28,7 @@ from nanoengine.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    check_config_dict,
 )
 from nanoengine.distributed.utils import check_tensor_parallel_size
 from nanoengine.executor.abstract import EXECUTOR_CLASSES, Executor
@@ -358,12 +359,7 @@ def _check_draft_model(config: SpeculativeConfig, target: ModelConfig, tensor_pa
 
 def _speculative_config_from_dict(value: Any) -> SpeculativeConfig:
     """vLLM's dict form; an unknown key is an error naming the accepted ones."""
-    if not isinstance(value, dict):
-        raise TypeError(f"speculative_config must be a dict (JSON object), got {value!r}.")
-    known = {f.name for f in fields(SpeculativeConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"speculative_config has unknown key(s) {unknown}; accepted: {sorted(known)}.")
+    check_config_dict("speculative_config", SpeculativeConfig, value)
     return SpeculativeConfig(**value)
 
 
