@@ -138,15 +138,15 @@ DEFAULT_ABORT_REQUEST_TIMEOUT_S = 480.0
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 
 
-
 def check_config_dict(name: str, config_class: type, value: Any) -> None:
     """A config given in vLLM's dict (JSON) form: a dict whose keys are all fields of ``config_class``."""
     if not isinstance(value, dict):
         raise TypeError(f"{name} must be a dict (JSON object), got {value!r}.")
-    unknown = sorted(set(value) - {f.name for f in fields(config_class)})
+    known = {f.name for f in fields(config_class)}
+    unknown = sorted(set(value) - known)
     if unknown:
-        raise ValueError(f"{name} has unknown key(s) {unknown}; accepted: "
-                         f"{sorted(f.name for f in fields(config_class))}.")
+        raise ValueError(f"{name} has unknown key(s) {unknown}; accepted: {sorted(known)}.")
+
 
 @dataclass
 class KVTransferConfig:
