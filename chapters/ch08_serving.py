@@ -79,14 +79,21 @@ class Ch08Result:
     blocks_free_after_abort: bool
 
 
+# How long a walkthrough waits for uvicorn to listen before it gives up.
+SERVER_START_TIMEOUT_S = 30.0
+
+
 @contextmanager
-def serving(engine: AsyncLLM, model: str) -> Iterator[str]:
-    """The app of ``nanoengine serve`` on a free 127.0.0.1 port, on a thread; yields its URL."""
-    config = uvicorn.Config(build_app(engine, model), host="127.0.0.1", port=0, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+def serving_app(app: Any, name: str = "uvicorn") -> Iterator[str]:
+    """An ASGI app on a free 127.0.0.1 port, on a thread of its own; yields its URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
     thread.start()
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise RuntimeError(f"{name}: the server did not start listening within {SERVER_START_TIMEOUT_S:g} s")
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
@@ -94,6 +101,13 @@ def serving(engine: AsyncLLM, model: str) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextmanager
+def serving(engine: AsyncLLM, model: str) -> Iterator[str]:
+    """The app of ``nanoengine serve`` on a free 127.0.0.1 port, on a thread; yields its URL."""
+    with serving_app(build_app(engine, model)) as url:
+        yield url
 
 
 def process_tree(engine: AsyncLLM) -> tuple[Table, dict[str, Any]]:

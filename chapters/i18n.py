@@ -129,6 +129,15 @@ def headings() -> list[tuple[re.Pattern[str], str]]:
          f"3. 每个位置的{t('acceptance rate')}，以及{t('mean acceptance length')}"),
         (r"4\. Speed: the same prompts with and without speculation",
          f"4. 速度：同一批 {t('prompt')}，开和不开{t('speculative decoding')}"),
+        # chapter 10
+        (r"starting a prefill engine, a decode engine and the proxy",
+         f"启动一个 {t('prefill engine')}、一个 {t('decode engine')}和{t('proxy')}"),
+        (r"1\. processes and ports", "1. 进程和端口"),
+        (r"2\. one completion through the proxy", f"2. 经过{t('proxy')}的一次补全"),
+        (r"3\. that request on both engines", "3. 这个请求在两个引擎上各做了什么"),
+        (r"4\. what crossed the network", "4. 网络上传了什么"),
+        (r"5\. a prompt that starts like the first", f"5. 开头和第一个一样的 {t('prompt')}"),
+        (r"6\. a prefill whose consumer never comes", f"6. 一次没有 {t('decode engine')}来读的 {t('prefill')}"),
         # exercise 1.1's walkthrough
         (r"run_to_completion: add_request once, step\(\) until finished",
          "run_to_completion：add_request 一次，然后一直 step() 到请求完成"),
@@ -188,6 +197,12 @@ def introductions() -> dict[str, str]:
         "chapters.ch09_spec_decode": (
             f"第 9 章：{t('speculative decoding')}。{t('draft')}的接受与拒绝、num_computed_tokens 怎样回退、"
             f"拒绝前后的 KV {t('block')}、{t('acceptance rate')}；最后比较开和不开的速度。"
+        ),
+        "chapters.ch10_disaggregated": (
+            f"第 10 章：{t('disaggregated prefill and decode')}。一个 {t('prefill engine')}、一个 {t('decode engine')}，"
+            f"前面一个{t('proxy')}；{t('KV connector')}把 KV {t('block')}经 TCP 从一个{t('engine core process')}送到另一个。"
+            f"看一个请求在两边各走过哪些步（WAITING_FOR_REMOTE_KVS、先留着再释放的 {t('block')}）、传了多少字节、"
+            f"{t('prefix cache')}命中的 {t('block')}不再传，以及没人来读时 {t('block')}怎样到期释放。"
         ),
         "chapters.ex01_engine_by_hand": "练习 1.1：不用 generate(...)，自己 add_request，再反复 step()，直到请求完成。",
     }

@@ -189,6 +189,13 @@ def start_actor(group: PlacementGroup, bundle: int, device_type: str) -> Any:
     ).remote()
 
 
+# How long a rank's raised error waits for news of a dead peer. A rank killed
+# mid-step makes its peers fail too (gloo: "Connection reset by peer"), and that
+# error can reach us before Ray has noticed the death (about a second); the death
+# is the cause, so it is the one to report.
+PEER_DEATH_GRACE_S = 3.0
+
+
 def wait_for_ranks(refs: Sequence[ray.ObjectRef], what: str, timeout_s: float | None) -> list[Any]:
     """Every rank's result in rank order; the first rank to fail raises ``RankFailedError``.
 
@@ -208,8 +215,26 @@ def wait_for_ranks(refs: Sequence[ray.ObjectRef], what: str, timeout_s: float | 
             late = sorted(rank_of[ref] for ref in pending)
             raise RankFailedError(f"Worker rank(s) {late} did not answer {what!r} within {timeout_s:g} s.")
         rank = rank_of[ready[0]]
-        results[rank] = _result_of(ready[0], rank, what)
+        try:
+            results[rank] = _result_of(ready[0], rank, what)
+        except RankFailedError as raised:
+            raise _dead_peer_error(pending, rank_of, what) or raised
     return results
+
+
+def _dead_peer_error(pending: list[ray.ObjectRef], rank_of: dict[ray.ObjectRef, int], what: str) -> RankFailedError | None:
+    """The error of a peer that died, if one is found within ``PEER_DEATH_GRACE_S``, else None."""
+    deadline = time.monotonic() + PEER_DEATH_GRACE_S
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return None
+        try:
+            _result_of(ready[0], rank_of[ready[0]], what)
+        except RankFailedError as error:
+            if isinstance(error.__cause__, RayActorError):
+                return error
+    return None
 
 
 def _result_of(ref: ray.ObjectRef, rank: int, what: str) -> Any:

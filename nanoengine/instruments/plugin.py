@@ -14,7 +14,8 @@ a core is built: in this process for ``LLM(...)``, in the core's own process for
   (``EngineCoreProc``'s ``UTILITY_EXTENSIONS``): ``component_tree`` (the core's
   tree, for ``print(llm)`` across the process boundary), ``watch_finished`` and
   ``recently_finished`` (which requests ended, and how: chapter 8 shows a
-  client hanging up).
+  client hanging up), ``watch_kv_transfers`` and ``kv_transfer_journal``
+  (what the engine did for requests that crossed engines: chapter 10).
 
 Each import happens only when its instrument is wanted, so a core with
 nothing switched on pays for this module and nothing else.
@@ -31,12 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from nanoengine.engine.core import EngineCore
+    from nanoengine.instruments.kv_transfer_journal import KVTransferJournal
     from nanoengine.request import Request
 
 # How many ended requests ``recently_finished`` remembers per core.
 RECENTLY_FINISHED_LEN = 32
 # core -> (request id, FINISHED_* status) of its last requests to end, oldest first.
 _FINISHED: weakref.WeakKeyDictionary[EngineCore, deque[tuple[str, str]]] = weakref.WeakKeyDictionary()
+# core -> its KV transfer journal, once ``watch_kv_transfers`` was called.
+_JOURNALS: weakref.WeakKeyDictionary[EngineCore, KVTransferJournal] = weakref.WeakKeyDictionary()
 
 
 def attach_to_engine_core(core: EngineCore) -> None:
@@ -53,7 +57,11 @@ def attach_to_engine_core(core: EngineCore) -> None:
     from nanoengine.engine.core_proc import UTILITY_EXTENSIONS
 
     UTILITY_EXTENSIONS.update(
-        component_tree=component_tree, watch_finished=watch_finished, recently_finished=recently_finished
+        component_tree=component_tree,
+        watch_finished=watch_finished,
+        recently_finished=recently_finished,
+        watch_kv_transfers=watch_kv_transfers,
+        kv_transfer_journal=kv_transfer_journal,
     )
 
 
@@ -81,3 +89,17 @@ def watch_finished(core: EngineCore) -> None:
 def recently_finished(core: EngineCore) -> list[tuple[str, str]]:
     """(request id, FINISHED_* status) of the last requests to end since ``watch_finished``."""
     return list(_FINISHED.get(core, ()))
+
+
+def watch_kv_transfers(core: EngineCore) -> None:
+    """Start the KV transfer journal of this core (a second call changes nothing)."""
+    if core not in _JOURNALS:
+        from nanoengine.instruments.kv_transfer_journal import KVTransferJournal
+
+        _JOURNALS[core] = KVTransferJournal.attach(core.scheduler)
+
+
+def kv_transfer_journal(core: EngineCore) -> list[tuple[float, int, str, str]]:
+    """(monotonic time, step, request id, what) for each moment since ``watch_kv_transfers``."""
+    journal = _JOURNALS.get(core)
+    return [] if journal is None else journal.as_rows()
