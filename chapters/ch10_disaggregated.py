@@ -56,10 +56,13 @@ from nanoengine.utils.system_utils import get_open_port
 
 PROMPT = ("The key and value vectors of every prompt token are kept in blocks of a cache. A prefill engine "
           "computes them for the whole prompt at once; a decode engine then adds one token at a time. ")
+# Small blocks (the CPU's default is 128 tokens) so that a short prompt spans
+# several and a shared prefix fills whole ones.
+BLOCK_SIZE = 16
 FOLLOW_UP = " Why would a server keep the two kinds of work on different machines?"
 _PULL = re.compile(r"worker told: pull (\d+) blocks")
-# Row = (monotonic time, engine step, request id, what), as the journal utility returns it.
-JournalRow = tuple[float, int, str, str]
+# Row = (monotonic time, engine step, request id, what, KV blocks in use), as the journal utility returns it.
+JournalRow = tuple[float, int, str, str, int]
 
 
 @dataclass
@@ -97,16 +100,12 @@ def kv_transfer_config(role: str, kv_port: int, hold_timeout_s: float) -> dict[s
 
 @contextmanager
 def two_engines_and_a_proxy(model: str, dtype: str, max_model_len: int, hold_timeout_s: float) -> Iterator[Engines]:
-    """Producer, consumer and proxy on free 127.0.0.1 ports; everything stops on exit.
-
-    Blocks of 16 tokens (not the CPU's default 128) so that a short prompt
-    spans several and a shared prefix fills whole ones.
-    """
+    """Producer, consumer and proxy on free 127.0.0.1 ports; everything stops on exit."""
     kv_port = get_open_port()
     with ExitStack() as stack:
         engines = []
         for role in ("kv_producer", "kv_consumer"):
-            args = EngineArgs.from_kwargs(model, dtype=dtype, max_model_len=max_model_len, block_size=16,
+            args = EngineArgs.from_kwargs(model, dtype=dtype, max_model_len=max_model_len, block_size=BLOCK_SIZE,
                                           kv_transfer_config=kv_transfer_config(role, kv_port, hold_timeout_s))
             engine = AsyncLLM.from_engine_args(args)
             stack.callback(engine.shutdown)
@@ -158,14 +157,15 @@ def journal_since(engine: AsyncLLM, start: float) -> list[JournalRow]:
 
 
 def side_by_side(start: float, producer: list[JournalRow], consumer: list[JournalRow]) -> Table:
-    """One row per moment, in time order, in the column of the engine it happened in."""
+    """One row per moment, in time order, in the columns of the engine it happened in."""
     table = Table(title="one request on both engines (ms after the client sent it)")
-    for column in ("ms", "prefill engine (producer)", "decode engine (consumer)"):
-        table.add_column(column, justify="right" if column == "ms" else "left", overflow="fold")
-    moments = [(at, f"step {step}: {what}", "") for at, step, _, what in producer]
-    moments += [(at, "", f"step {step}: {what}") for at, step, _, what in consumer]
-    for at, left, right in sorted(moments):
-        table.add_row(f"{(at - start) * 1000:.1f}", left, right)
+    for column in ("ms", "prefill engine (producer)", "blocks", "decode engine (consumer)", "blocks"):
+        table.add_column(column, justify="left" if "engine" in column else "right", overflow="fold")
+    moments = [(at, f"step {step}: {what}", str(used), "", "") for at, step, _, what, used in producer]
+    moments += [(at, "", "", f"step {step}: {what}", str(used)) for at, step, _, what, used in consumer]
+    for at, *cells in sorted(moments):
+        table.add_row(f"{(at - start) * 1000:.1f}", *cells)
+    table.caption = "blocks: KV blocks in use on that engine just after the moment (requests and holds)"
     return table
 
 
@@ -180,7 +180,7 @@ def wait_for(condition: Any, seconds: float, what: str) -> None:
 
 def pulled_blocks(journal: list[JournalRow]) -> int:
     """Blocks the consumer's worker was told to pull (its "worker told: pull N blocks" entries)."""
-    return sum(int(found.group(1)) for _, _, _, what in journal if (found := _PULL.match(what)))
+    return sum(int(found.group(1)) for _, _, _, what, _ in journal if (found := _PULL.match(what)))
 
 
 def transfer_of(engine: AsyncLLM) -> dict[str, Any]:
@@ -251,8 +251,9 @@ def main(argv: list[str] | None = None) -> Ch10Result:
                       f"{moved['transfer_seconds'] * 1e3:.1f} ms, over TCP from one process to the other")
         console.rule("5. a prompt that starts like the first")
         follow_blocks, follow_hits = follow_up_with_a_shared_prefix(engines, args.max_tokens)
-        console.print(f"the consumer found {follow_hits} tokens in its own prefix cache and pulled "
-                      f"{follow_blocks} blocks (the first request pulled {first_blocks})")
+        console.print(f"the consumer found {follow_hits} tokens ({follow_hits // BLOCK_SIZE} blocks) in its own "
+                      f"prefix cache and pulled the other {follow_blocks} blocks it needed "
+                      f"(the first request pulled {first_blocks})")
         console.rule("6. a prefill whose consumer never comes")
         expired = a_consumer_that_never_comes(engines, args.hold_timeout_s)
     return Ch10Result(pids, tokens, alone, producer_rows, consumer_rows, moved["bytes_transferred"],

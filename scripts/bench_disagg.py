@@ -18,8 +18,10 @@ latency (ITL) p50/p99 of the short turns, the time to first token (TTFT) p50/p99
 of short and long requests, and output tokens per second. Then the transfer:
 the decode server's own figures (``vllm:kv_transfer_bytes_total`` over
 ``vllm:kv_transfer_time_seconds_total``: asking, the producer's gather, the
-bytes, the copy into the cache) against a plain loopback copy of the same
-bytes, in the same message sizes, over a bare TCP socket and over pyzmq.
+bytes, the copy into the cache) and the producer's share of it (its own
+``vllm:kv_transfer_time_seconds_total``: the gather and the hand-over to
+ZMQ), against a plain loopback copy of the same bytes, in the same message
+sizes, over a bare TCP socket and over pyzmq.
 
     python scripts/bench_disagg.py                       # SmolLM2-135M-Instruct, fp32
     python scripts/bench_disagg.py --rounds 3 --concurrency 8 --num-long 8 --num-short 48
@@ -155,6 +157,8 @@ def measure(commands: list[list[str]], turns: list[Turn], concurrency: int, roun
         if len(urls) > 1:
             transfer = {name: metric(urls[1], f"vllm:kv_transfer_{name}_total")
                         for name in ("num_transfers", "bytes", "time_seconds")}
+            # The producer counts only its own part of each read: the gather and the hand-over to ZMQ.
+            transfer["producer_time_seconds"] = metric(urls[0], "vllm:kv_transfer_time_seconds_total")
     return rounds_out, transfer
 
 
@@ -258,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     per_transfer = int(transfer["bytes"] / max(transfers, 1))
     connector = transfer["bytes"] / transfer["time_seconds"] / 1e9 if transfer["time_seconds"] else 0.0
     print(f"\nKV transfer: {transfers} pulls, {transfer['bytes'] / 1e6:.1f} MB, {per_transfer / 1e6:.2f} MB each")
-    print(f"  ZmqConnector (decode side, request to cache): {connector:.2f} GB/s")
+    print(f"  ZmqConnector (decode side, request to cache): {connector:.2f} GB/s, "
+          f"{transfer['time_seconds'] / max(transfers, 1) * 1e3:.1f} ms a pull")
+    print(f"    of which the producer's gather and hand-over to ZMQ: "
+          f"{transfer['producer_time_seconds'] / max(transfers, 1) * 1e3:.1f} ms a pull")
     for name, copy in (("bare TCP socket", tcp_copy), ("pyzmq PUSH/PULL", zmq_copy)):
         rates = [per_transfer * transfers / copy(per_transfer, transfers) / 1e9 for _ in range(3)]
         print(f"  {name} loopback, same bytes and sizes: {statistics.median(rates):.2f} GB/s "

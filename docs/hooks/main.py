@@ -38,8 +38,8 @@ ROOT = code_regions.ROOT
 CHAPTER_PAGE = "chapters/ch{:02d}.md"
 REFERENCE_DIR = "reference"
 _MACRO = re.compile(r"\{\{\s*(\w+)\((?:\"([^\"]*)\")?\)\s*\}\}")
-# "Chapter 5", "chapters 6 and 7", "chapters 1, 5-7": every digit gets a link.
-_CHAPTER_MENTION = re.compile(r"\b([Cc]hapters?)(\s+\d(?:\s*(?:,|-|–|and|or)\s*\d)*)")
+# "Chapter 5", "chapters 6 and 7", "chapters 1, 5-7", "chapter 10": every number gets a link.
+_CHAPTER_MENTION = re.compile(r"\b([Cc]hapters?)(\s+\d+(?:\s*(?:,|-|–|and|or)\s*\d+)*)")
 _TAG = re.compile(r"(<[^>]+>)")
 _NO_LINK_INSIDE = ("a", "code", "pre")
 # Repository path -> site URL of its source page, filled by on_files.
@@ -276,7 +276,7 @@ def _link_chapters(text: str, page: Page) -> str:
             url = get_relative_url(target.removesuffix(".md") + "/", page.url)
             return f'<a class="chapter-link" href="{url}">{digit[0]}</a>'
 
-        return match[1] + re.sub(r"\d", one, match[2])
+        return match[1] + re.sub(r"\d+", one, match[2])
 
     return _CHAPTER_MENTION.sub(link, text)
 

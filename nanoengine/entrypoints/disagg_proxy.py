@@ -1,8 +1,8 @@
 """``nanoengine proxy``: one OpenAI endpoint in front of prefill servers and decode servers.
 
-Chapter 10 (disaggregated prefill and decode). The proxy speaks vLLM's protocol,
-so it works with either engine behind it, and vLLM's own example proxy works
-with two nanoengine servers behind it:
+Chapter 10 (disaggregated prefill and decode). The proxy speaks vLLM's protocol
+(the requests of vLLM's example proxy, which work on two nanoengine servers
+as they are):
 
 1. the client's request goes to a **prefill** server (a ``kv_producer``) with
    ``max_tokens: 1``, no stream, and ``kv_transfer_params: {"do_remote_decode":

@@ -39,12 +39,14 @@ MAX_ENTRIES = 2000
 
 
 class JournalEntry(NamedTuple):
-    """One moment: when (``time.monotonic()``), in which engine step, for which request, what."""
+    """One moment: when (``time.monotonic()``), in which engine step, for which request, what,
+    and how many KV blocks were in use (by requests, and by holds for a consumer) just after it."""
 
     at: float
     step: int
     request_id: str
     what: str
+    num_used_blocks: int
 
 
 class KVTransferJournal:
@@ -54,6 +56,7 @@ class KVTransferJournal:
         self.scheduler = scheduler
         self.entries: list[JournalEntry] = []
         self.step = 0
+        self._transfer_notes: list[tuple[str, str]] = []  # (request id, what), between the two taps
         # Requests whose first decode step is written down: the later ones are not
         # (a request's 100 decode steps would bury the few moments the chapter is about).
         self._decoding: set[str] = set()
@@ -65,7 +68,9 @@ class KVTransferJournal:
         tap(scheduler, "add_request", before=journal._on_arrive)
         tap(scheduler, "schedule", before=journal._on_step_begin, after=journal._on_schedule)
         tap(scheduler, "_start_remote_kv_load", after=journal._on_remote_load_started)
-        tap(scheduler, "_update_from_kv_xfer_finished", before=journal._on_transfers_finished)
+        # Read before the blocks go back (what was held), written down after (what is left).
+        tap(scheduler, "_update_from_kv_xfer_finished", before=journal._read_transfers,
+            after=journal._note_transfers)
         tap(scheduler, "_free_request", after=journal._on_free)
         if connector is not None:
             tap(connector, "get_num_new_matched_tokens", after=journal._on_offer)
@@ -74,9 +79,11 @@ class KVTransferJournal:
     def note(self, request_id: str, what: str, step: int | None = None) -> None:
         if len(self.entries) >= MAX_ENTRIES:
             del self.entries[0]
-        self.entries.append(JournalEntry(time.monotonic(), self.step if step is None else step, request_id, what))
+        manager = self.scheduler.kv_cache_manager
+        used = manager.num_usable_blocks - manager.num_free_blocks
+        self.entries.append(JournalEntry(time.monotonic(), self.step if step is None else step, request_id, what, used))
 
-    def as_rows(self) -> list[tuple[float, int, str, str]]:
+    def as_rows(self) -> list[tuple[float, int, str, str, int]]:
         """The entries as plain tuples: they cross the process boundary as msgpack."""
         return [tuple(entry) for entry in self.entries]  # type: ignore[misc]
 
@@ -133,19 +140,25 @@ class KVTransferJournal:
                 self.note(request_id, f"scheduled {num_tokens} prompt token(s): "
                                       f"{computed_after}/{request.num_prompt_tokens} computed after this step")
 
-    def _on_transfers_finished(self, output: KVConnectorOutput) -> None:
+    def _read_transfers(self, output: KVConnectorOutput) -> None:
         stats = output.kv_connector_stats
         moved = "" if stats is None or not stats.num_transfers else (
             f": {stats.bytes_transferred / 1e6:.2f} MB in {stats.transfer_seconds * 1e3:.1f} ms")
+        notes = self._transfer_notes
         for request_id in sorted(output.finished_recving):
-            self.note(request_id, f"worker: KV loaded{moved}; the request may be scheduled again")
+            notes.append((request_id, f"worker: KV loaded{moved}; the request may be scheduled again"))
         for request_id in sorted(output.finished_sending):
             held = self.scheduler.held_for_remote.get(request_id)
             if held is not None:
-                self.note(request_id, f"worker: blocks read by the consumer (or expired){moved}; "
-                                      f"{_num_blocks(self.scheduler, held)} blocks freed")
+                freed = _num_blocks(self.scheduler, held)
+                notes.append((request_id, f"worker: blocks read by the consumer (or expired){moved}; {freed} blocks freed"))
         for request_id, reason in sorted(output.failed_recving.items()):
-            self.note(request_id, f"worker: KV load failed ({reason})")
+            notes.append((request_id, f"worker: KV load failed ({reason})"))
+
+    def _note_transfers(self, _: None, output: KVConnectorOutput) -> None:
+        for request_id, what in self._transfer_notes:
+            self.note(request_id, what)
+        self._transfer_notes.clear()
 
     def _on_free(self, kv_transfer_params: Mapping[str, Any] | None, request: Request) -> None:
         self._decoding.discard(request.request_id)
