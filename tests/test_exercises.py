@@ -14,7 +14,20 @@ import inspect
 import os
 
 import pytest
-from exercise_mutants import Mutant, ch1, ch3, ch4, ch4_hybrid, ch5, ch6, ch6_tensor_parallel, ch7, ch8, ch9
+from exercise_mutants import (
+    Mutant,
+    ch1,
+    ch3,
+    ch4,
+    ch4_hybrid,
+    ch5,
+    ch6,
+    ch6_tensor_parallel,
+    ch7,
+    ch8,
+    ch9,
+    ch10,
+)
 from mkdocs_config import load_mkdocs_config, nav_pages
 
 import chapters.grade_checks.common
@@ -28,9 +41,10 @@ STUDENT = os.environ.get("NANOENGINE_STUDENT") == "1"
 EXERCISES = find_exercises()
 # The exercises the course promises; more may be added, none may disappear.
 REQUIRED = {"1.1", "3.1", "3.2", "4.1", "4.2", "4.3", "4.4", "4.5", "5.1", "5.2", "6.1", "6.2", "7.1", "8.1", "8.2",
-            "9.1"}
+            "9.1", "10.1"}
 MUTANTS: list[Mutant] = [*ch1.MUTANTS, *ch3.MUTANTS, *ch4.MUTANTS, *ch4_hybrid.MUTANTS, *ch5.MUTANTS,
-                          *ch6.MUTANTS, *ch6_tensor_parallel.MUTANTS, *ch7.MUTANTS, *ch8.MUTANTS, *ch9.MUTANTS]
+                          *ch6.MUTANTS, *ch6_tensor_parallel.MUTANTS, *ch7.MUTANTS, *ch8.MUTANTS, *ch9.MUTANTS,
+                          *ch10.MUTANTS]
 # Every exercise gets at least this many planted mistakes for its grader to catch.
 MIN_MUTANTS = 3
 
@@ -174,6 +188,23 @@ def test_9_1_reference_run_keeps_rejects_and_adds_bonus_tokens(tiny_llama: str) 
     assert 0 < result["drafts kept"] < result["drafted tokens verified"], result
     assert result["steps that kept all 3 drafts (and added a bonus token)"] > 0, result
     assert result[f"engine steps (plain decoding: {plain_steps})"] < plain_steps, result  # the point of it all
+
+
+@pytest.mark.exercise_10_1
+def test_10_1_reference_run_gives_one_engines_tokens_and_keeps_hits_home(tiny_llama: str) -> None:
+    """10.1's end-to-end check compares the student's run with the reference's: the
+    reference's must give one engine's tokens, and pull fewer tokens for the prompt whose
+    first blocks the consumer holds, or an answer that pulls its hits too could pass."""
+    if STUDENT:
+        pytest.skip("student mode grades the student's code; this checks the check")
+    from chapters.grade_checks.ch10 import E2E_PROMPTS, e2e_two_engines
+
+    name = next(check.name for check in CHECKS["10.1"] if check.run is e2e_two_engines)
+    result = _reference_result("10.1", name, tiny_llama)
+    assert result["prompt 1: the same tokens as one engine alone"] is True, result
+    assert result["prompt 2: the same tokens as one engine alone"] is True, result
+    assert result["prompt 1: tokens pulled from the producer"] == len(E2E_PROMPTS[0]) - 1, result
+    assert result["prompt 2: tokens pulled from the producer"] == len(E2E_PROMPTS[1]) - 1 - 16, result
 
 
 def test_grade_cli_reports_pass_and_fail(tiny_llama: str, capsys: pytest.CaptureFixture[str],

@@ -46,6 +46,7 @@ EXERCISE_TARGETS: dict[str, str] = {
     "8.1": "nanoengine.engine.core_client:SyncMPClient.get_output",
     "8.2": "nanoengine.engine.async_llm:AsyncLLM._run_output_handler",
     "9.1": "nanoengine.sample.rejection_sampler:_verify_greedy",
+    "10.1": "nanoengine.distributed.kv_transfer.zmq.scheduler:ZmqConnectorScheduler.update_state_after_alloc",
 }
 # A marked definition: a plain function or method, or a coroutine one (``async def``).
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef

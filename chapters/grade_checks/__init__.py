@@ -15,19 +15,31 @@ One module per chapter holds its exercises' checks (``ch4.py``: exercises 4.1,
 ``tp_ranks.py`` runs a function on spawned tensor-parallel ranks, and
 ``zh.py`` gives every check's name and inputs in Chinese.
 
-Chapters 1, 3-9. vLLM 0.32 counterpart: none (teaching material).
+Chapters 1, 3-10. vLLM 0.32 counterpart: none (teaching material).
 """
 
 from __future__ import annotations
 
-from chapters.grade_checks import ch1, ch3, ch4, ch4_hybrid, ch5, ch6, ch6_tensor_parallel, ch7, ch8, ch9
+from chapters.grade_checks import (
+    ch1,
+    ch3,
+    ch4,
+    ch4_hybrid,
+    ch5,
+    ch6,
+    ch6_tensor_parallel,
+    ch7,
+    ch8,
+    ch9,
+    ch10,
+)
 from chapters.grade_checks.common import Check
 from chapters.grade_checks.zh import CHINESE
 
 # Exercise id -> its checks, unit checks first (they are fast and say the most).
 CHECKS: dict[str, tuple[Check, ...]] = {
     **ch1.CHECKS, **ch3.CHECKS, **ch4.CHECKS, **ch4_hybrid.CHECKS, **ch5.CHECKS, **ch6.CHECKS,
-    **ch6_tensor_parallel.CHECKS, **ch7.CHECKS, **ch8.CHECKS, **ch9.CHECKS,
+    **ch6_tensor_parallel.CHECKS, **ch7.CHECKS, **ch8.CHECKS, **ch9.CHECKS, **ch10.CHECKS,
 }
 
 

@@ -726,4 +726,48 @@ CHINESE: dict[str, dict[str, tuple[str, str]]] = {
             ),
         ),
     },
+    "10.1": {
+        "no local hits: every block the remote tokens fill is pulled": (
+            "没有本地命中：远端 token 占到的每个 block 都要拉",
+            (
+                "decode 引擎的前缀缓存里什么都没有：13 个 token 的 prompt，connector 报了 12 个远端 token"
+                "（block 0-2 装它们，block 3 只装最后一个 prompt token）；9 个 token 的 prompt，报了 8 个。"
+            ),
+        ),
+        "local prefix-cache hits stay home: only the blocks after them are pulled": (
+            "本地前缀缓存命中的留在本地：只拉它们后面的 block",
+            "前 2 个或 3 个 block 是前缀缓存命中：17 个 token 的 prompt，命中 8 个 token 时报 8 个远端 token，命中 12 个时报 4 个。",
+        ),
+        "a block the remote tokens fill only in part is pulled too (round up)": (
+            "远端 token 只占了一部分的 block 也要拉（向上取整）",
+            (
+                "远端 token 在一个 block 中间结束：11 个 token 的 prompt 报 10 个（block 2 里有 2 个），"
+                "命中 4 个 token 的 15 个 token 的 prompt 报 10 个，6 个 token 的 prompt 报 5 个。"
+            ),
+        ),
+        "nothing to pull: one plan with no blocks, so the producer frees them": (
+            "没有要拉的：一份不带 block 的计划，让 prefill 引擎释放它们",
+            "报了 0 个远端 token（除最后一个以外，prompt 的每个 block 都命中了），按调度器这时的调用方式：没有 block id，0 个外部 token。",
+        ),
+        "once only: do_remote_prefill is cleared, a second call plans nothing": (
+            "只拉一次：清掉 do_remote_prefill，第二次调用不再安排",
+            "13 个 token 的 prompt 报了 12 个远端 token，函数调用两次（就像第二次接纳那样）：每次之后的计划数，以及第一次之后的 `do_remote_prefill`。",
+        ),
+        "a request that is not to be pulled is left alone": (
+            "不该拉的请求，原样不动",
+            "不该拉的请求：没有 kv_transfer_params、prefill 那边的请求（`do_remote_decode`）、`do_remote_prefill: false`；计划数，以及调用后的参数。",
+        ),
+        "the plan names the producer's request, engine, host and port": (
+            "计划写明 prefill 引擎上的请求、引擎、主机和端口",
+            "13 个 token 的 prompt 报了 12 个远端 token：计划从谁那里、从哪里读 block。",
+        ),
+        "end to end: KV from a producer engine gives a consumer one engine's tokens": (
+            "端到端：用 prefill 引擎送来的 KV，decode 引擎给出和单个引擎一样的 token",
+            (
+                "同一个进程里一个 prefill 引擎和一个 decode 引擎，block 4 个 token，fp32：两个 30 个 token 的 "
+                "prompt（第二个和第一个共用 16 个 token）在 prefill 引擎上 prefill，在 decode 引擎上 decode "
+                "8 个 token；得到的 token、从 prefill 引擎拉来的 token 数，以及和单个引擎的 token 比较。"
+            ),
+        ),
+    },
 }
