@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from browser_helpers import Browser
 from tiny_models import make_tiny_model_dir
 
 # Keep tokenizers from spawning its own pool.
@@ -67,3 +68,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
     for exercise in find_exercises().values():
         config.addinivalue_line("markers", f"{exercise.marker}: grading of exercise {exercise.exercise_id}")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Headless Chromium, one per test module (the docs site's tests, the live view's)."""
+    chromium = Browser()
+    yield chromium
+    chromium.close()

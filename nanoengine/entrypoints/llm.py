@@ -10,14 +10,15 @@ A vLLM offline script that uses this subset runs by changing only its import.
 This class is where the teaching instruments meet the engine from outside
 (``nanoengine/instruments/``): ``print(llm)`` draws the component tree, and
 ``llm.trace`` reads the step tracer that the instruments' plugin attached to
-the engine core. Nothing under ``engine/`` or ``core/`` imports them.
+the engine core, and ``llm.serve_ui()`` opens the live view of chapters 3-5
+and 9 in a browser. Nothing under ``engine/`` or ``core/`` imports them.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.engine.llm_engine import LLMEngine
@@ -27,6 +28,9 @@ from nanoengine.outputs import RequestOutput
 from nanoengine.plugins import PLUGINS_ENV
 from nanoengine.renderers.hf import ChatMessage, PromptType, RenderedPrompt
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from nanoengine.instruments.live_view.offline import LiveViewServer
 
 
 class LLM:
@@ -58,6 +62,18 @@ class LLM:
                 "(pip install -e .) and leave NANOENGINE_PLUGINS unset, or list 'instruments' in it."
             )
         return trace
+
+    def serve_ui(self, port: int = 0, allow_control: bool = True) -> LiveViewServer:
+        """The live view of this engine, served on 127.0.0.1 (``port`` 0: a free one).
+
+        Open the returned ``.url`` in a browser, then call ``generate`` as
+        usual: the page draws every step. With ``allow_control`` its buttons
+        pause the engine and let it run one ``EngineCore.step()`` per click
+        (``generate`` waits meanwhile). ``.close()`` stops the page's server.
+        """
+        from nanoengine.instruments.live_view.offline import serve_live_view  # uvicorn: only when asked
+
+        return serve_live_view(self.llm_engine.engine_core, port, allow_control)
 
     def generate(
         self,

@@ -15,7 +15,9 @@ a core is built: in this process for ``LLM(...)``, in the core's own process for
   tree, for ``print(llm)`` across the process boundary), ``watch_finished`` and
   ``recently_finished`` (which requests ended, and how: chapter 8 shows a
   client hanging up), ``watch_kv_transfers`` and ``kv_transfer_journal``
-  (what the engine did for requests that crossed engines: chapter 10).
+  (what the engine did for requests that crossed engines: chapter 10),
+  ``live_view_frames`` and ``live_view_control`` (the browser's live view of
+  chapters 3-5 and 9: frames since a step, and pause / resume / step).
 
 Each import happens only when its instrument is wanted, so a core with
 nothing switched on pays for this module and nothing else.
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from nanoengine.engine.core import EngineCore
     from nanoengine.instruments.kv_transfer_journal import KVTransferJournal
+    from nanoengine.instruments.live_view.feed import LiveFeed
     from nanoengine.request import Request
 
 # How many ended requests ``recently_finished`` remembers per core.
@@ -41,6 +44,8 @@ RECENTLY_FINISHED_LEN = 32
 _FINISHED: weakref.WeakKeyDictionary[EngineCore, deque[tuple[str, str]]] = weakref.WeakKeyDictionary()
 # core -> its KV transfer journal, once ``watch_kv_transfers`` was called.
 _JOURNALS: weakref.WeakKeyDictionary[EngineCore, KVTransferJournal] = weakref.WeakKeyDictionary()
+# core -> its live feed, once a page asked for frames.
+_FEEDS: weakref.WeakKeyDictionary[EngineCore, LiveFeed] = weakref.WeakKeyDictionary()
 
 
 def attach_to_engine_core(core: EngineCore) -> None:
@@ -62,6 +67,8 @@ def attach_to_engine_core(core: EngineCore) -> None:
         recently_finished=recently_finished,
         watch_kv_transfers=watch_kv_transfers,
         kv_transfer_journal=kv_transfer_journal,
+        live_view_frames=live_view_frames,
+        live_view_control=live_view_control,
     )
 
 
@@ -99,7 +106,29 @@ def watch_kv_transfers(core: EngineCore) -> None:
         _JOURNALS[core] = KVTransferJournal.attach(core.scheduler)
 
 
-def kv_transfer_journal(core: EngineCore) -> list[tuple[float, int, str, str]]:
-    """(monotonic time, step, request id, what) for each moment since ``watch_kv_transfers``."""
+def kv_transfer_journal(core: EngineCore) -> list[tuple[float, int, str, str, int]]:
+    """(monotonic time, step, request id, what, KV blocks in use) for each moment since ``watch_kv_transfers``."""
     journal = _JOURNALS.get(core)
     return [] if journal is None else journal.as_rows()
+
+
+def live_feed(core: EngineCore) -> LiveFeed:
+    """The core's live feed, attached at the first call (the first page to connect)."""
+    feed = _FEEDS.get(core)
+    if feed is None:
+        from nanoengine.instruments.live_view.feed import LiveFeed
+
+        feed = _FEEDS[core] = LiveFeed(core)
+    return feed
+
+
+def live_view_frames(core: EngineCore, after_step: int) -> dict[str, Any]:
+    """The pool's shape, the frames of the steps after ``after_step``, and the gate's state."""
+    from nanoengine.instruments.live_view.app import read_feed
+
+    return read_feed(live_feed(core), after_step)
+
+
+def live_view_control(core: EngineCore, action: str) -> dict[str, Any]:
+    """"pause", "resume" or "step"; the gate's state after it."""
+    return live_feed(core).control(action)

@@ -71,10 +71,11 @@ from nanoengine.entrypoints.openai.serving import NEEDS_TOKENIZER
 from nanoengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from nanoengine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from nanoengine.exceptions import KVTransferError
+from nanoengine.plugins import load_api_server_plugins
 
 logger = logging.getLogger("nanoengine.serve")
 
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
                 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
@@ -214,8 +215,15 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     return app
 
 
+# On SIGTERM or Ctrl-C, open responses get this long to finish before uvicorn closes
+# them: a live view's feed (/ui) never finishes by itself, and would hold the server.
+GRACEFUL_SHUTDOWN_S = 10.0
+# The routes --api-key guards: the API, and the live view's data (its page itself holds none).
+GUARDED_PREFIXES = ("/v1", "/ui/api/")
+
+
 class AuthenticationMiddleware:
-    """401 for a ``/v1`` request without ``Authorization: Bearer <key>``.
+    """401 for a ``/v1`` (or ``/ui/api/``) request without ``Authorization: Bearer <key>``.
 
     A plain ASGI middleware, as vLLM's is: FastAPI's ``@app.middleware("http")``
     would pass every chunk of every stream through an extra queue and task,
@@ -227,7 +235,7 @@ class AuthenticationMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = scope["type"] == "http" and scope["path"].startswith("/v1")
+        guarded = scope["type"] == "http" and scope["path"].startswith(GUARDED_PREFIXES)
         if guarded and dict(scope["headers"]).get(b"authorization") != self.expected:
             refusal = error_response(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
             await refusal(scope, receive, send)
@@ -291,6 +299,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         choices=("critical", "error", "warning", "info", "debug", "trace"),
                         help="uvicorn's log level; at info it logs one access line per request")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access line per request")
+    parser.add_argument("--enable-ui-control", action="store_true",
+                        help="let the live view's page (/ui) pause the engine and advance it one step at a time")
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -303,9 +313,12 @@ def run_server(args: argparse.Namespace) -> None:
         raise ValueError(NEEDS_TOKENIZER)
     engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(engine, args.served_model_name or args.model, args.api_key)
+    for add_to_app in load_api_server_plugins().values():
+        add_to_app(app, engine, args)  # the instruments' live view (/ui) comes in here
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    access_log=not args.disable_uvicorn_access_log)
+                    access_log=not args.disable_uvicorn_access_log,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     finally:
         engine.shutdown()
 
