@@ -25,7 +25,7 @@ from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
 
 import pytest
-from browser_helpers import Browser, serving_folder
+from browser_helpers import Browser, serving_folder, wait_for_js
 
 ROOT = Path(__file__).resolve().parents[1]
 # For each <code> in the source-map table: is it on one line? And does the table
@@ -259,6 +259,23 @@ def test_a_chinese_page_renders_its_mermaid_diagram(base_url: str, browser: Brow
     # open() reports any diagram left unrendered, and any console error.
     assert browser.open(base_url + "zh/chapters/ch05/") == []
     assert browser.evaluate("document.querySelectorAll('.mermaid').length") >= 1
+
+
+@pytest.mark.parametrize("edition", ["", "zh/"])
+@pytest.mark.parametrize("chapter", ["ch03", "ch04", "ch05", "ch09"])
+def test_a_chapter_replays_its_step_trace(chapter: str, edition: str, site: Path, base_url: str,
+                                          browser: Browser) -> None:
+    """The replay loads the trace recorded at build time, in its edition's language, and scrubs."""
+    frames = json.loads((site / "traces" / f"{chapter}.json").read_text())["frames"]
+    assert browser.open(f"{base_url}{edition}chapters/{chapter}/") == []
+    shown = wait_for_js(browser, "document.querySelector('.ne-trace').dataset.frames", "the replay")
+    assert int(shown) == len(frames)
+    last = len(frames) - 1
+    browser.evaluate(f"(() => {{ const s = document.querySelector('.ne-trace [data-k=scrub]'); s.value = {last};"
+                     " s.dispatchEvent(new Event('input')); })()")
+    assert browser.evaluate("Number(document.querySelector('.ne-trace').dataset.step)") == frames[-1]["step"]
+    heading = browser.evaluate("document.querySelector('.ne-trace h4').textContent")
+    assert heading == ("KV block" if edition else "KV blocks")
 
 
 def test_chinese_search_finds_the_scheduler_on_chapter_three(base_url: str, browser: Browser) -> None:

@@ -320,3 +320,28 @@ def test_the_served_page_wants_the_key_streams_frames_and_survives_a_hang_up(
         state = httpx.get(f"{url}/ui/api/state", headers=auth, timeout=10).json()
         assert browser.evaluate("Number(document.querySelector('.ne-view').dataset.step)") == state["frame"]["step"]
         browser.open("about:blank")  # the page's feed closes, so the server stops at once
+
+
+# ------------------------------------------------------------- the docs site's replays
+def test_the_replays_show_what_their_pages_say(tmp_path: Path) -> None:
+    """The facts the chapter pages point at in their replays (docs/chapters/ch03-ch05)."""
+    from chapters.step_traces import record
+
+    def frames(name: str) -> list[dict[str, Any]]:
+        return check_trace_document(json.loads(record(name, tmp_path).read_text()))
+
+    ch03 = frames("ch03")
+    assert [f["step"] for f in ch03 if f["preemptions"]] == [6, 8]
+    assert [c["num_tokens"] for c in ch03[0]["scheduled"]] == [32]
+    assert {c["request_id"] for f in ch03[13:15] for c in f["scheduled"] if c["kind"] == "recompute"} == {"3", "4"}
+    ch04 = frames("ch04")
+    hits = {(f["step"], c["request_id"]): c["num_cached_tokens"] for f in ch04 for c in f["scheduled"]
+            if c["num_cached_tokens"]}
+    assert hits == {(3, "b"): 48, (5, "c"): 48, (22, "e"): 48}
+    assert [f["step"] for f in ch04 if f["evicted"]] == [18]
+    assert set(ch04[3]["blocks"]["shared"].values()) == {2}
+    ch05 = frames("ch05")
+    seen = {r["state"] for f in ch05 for r in f["requests"]}
+    assert "WAITING_FOR_STREAMING_REQ" in seen
+    finished = {k: v for k, v in ch05[-1]["counts"]["states"].items() if v}
+    assert finished == {"FINISHED_STOPPED": 1, "FINISHED_LENGTH_CAPPED": 2, "FINISHED_ABORTED": 1}

@@ -12,8 +12,11 @@
   check's behaviour, the first paragraph of its docstring (its inputs) and a
   link to its code; ``{{ tp_layer_diagram() }}`` is chapter 6's mermaid
   diagram of one decoder layer on two ranks, drawn from the model's slices
-  (``chapters/ch06_layer_diagram.py``, two real ranks spawned at build time).
-  An unknown name, macro or exercise fails the build.
+  (``chapters/ch06_layer_diagram.py``, two real ranks spawned at build time);
+  ``{{ step_trace("ch03") }}`` embeds a replay of a run recorded from the
+  engine at build time (``chapters/step_traces.py``), drawn by the live view's
+  viewer (``nanoengine/instruments/live_view/static/``, copied into the site).
+  An unknown name, macro, exercise or trace fails the build.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ _TAG = re.compile(r"(<[^>]+>)")
 _NO_LINK_INSIDE = ("a", "code", "pre")
 # Repository path -> site URL of its source page, filled by on_files.
 _SOURCE_URLS: dict[str, str] = {}
+# Trace name -> site URL of its file in the edition being built, filled by on_files.
+_TRACE_URLS: dict[str, str] = {}
+# The step viewer's files (nanoengine/instruments/live_view/static/) -> where the site serves them.
+_VIEWER_ASSETS = {"viewer.js": "javascripts/ne-viewer.js", "viewer.css": "stylesheets/ne-viewer.css"}
 
 
 # ------------------------------------------------------------------ config / files
@@ -82,6 +89,18 @@ def _tp_layer_diagram() -> str:
     from chapters.ch06_layer_diagram import layer_diagram
 
     return layer_diagram()
+
+
+@functools.cache
+def _step_traces() -> dict[str, str]:
+    """Every chapter's step trace as JSON text, recorded once per mkdocs run
+    (a few seconds: tiny engines, and SmolLM2 for chapter 9)."""
+    import tempfile
+
+    from chapters.step_traces import SCENARIOS, record
+
+    with tempfile.TemporaryDirectory(prefix="nanoengine-traces-") as folder:
+        return {name: record(name, Path(folder)).read_text(encoding="utf-8") for name in SCENARIOS}
 
 
 def _forget_the_other_editions_anchors(config: Any) -> None:
@@ -165,6 +184,15 @@ def on_files(files: Files, config: Any) -> Files:
         # otherwise push every chapter (the Chinese ones too) off the first page.
         page = f"{_REFERENCE_FRONT_MATTER}# `{name}` {{ #{name} }}\n\n::: {name}\n"
         files.append(_generated(config, f"{REFERENCE_DIR}/{name}.md", page))
+    # Like the assets in docs/, one copy for both editions (each build writes the same files).
+    _TRACE_URLS.clear()
+    for name, text in _step_traces().items():
+        trace_file = File.generated(config, f"traces/{name}.json", content=text)
+        files.append(trace_file)
+        _TRACE_URLS[name] = trace_file.url
+    static = ROOT / "nanoengine" / "instruments" / "live_view" / "static"
+    for name, site_path in _VIEWER_ASSETS.items():
+        files.append(File.generated(config, site_path, content=(static / name).read_text(encoding="utf-8")))
     return files
 
 
@@ -252,6 +280,10 @@ def _expand(match: re.Match[str], page: Page) -> str:
         return source_map.render(lambda path, line, label: _line_link(page, path, line, label=label))
     if macro == "grader_checks":
         return _grader_checks(page, argument)
+    if macro == "step_trace":
+        if argument not in _TRACE_URLS:
+            raise LookupError(f"no step trace {argument!r} (chapters/step_traces.py has {sorted(_TRACE_URLS)})")
+        return f'<div class="ne-trace" data-trace="{get_relative_url(_TRACE_URLS[argument], page.url)}"></div>\n'
     if macro == "tp_layer_diagram":
         return f"```mermaid\n{_tp_layer_diagram()}\n```\n"
     raise LookupError(f"unknown macro {macro!r}")

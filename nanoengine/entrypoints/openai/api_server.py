@@ -217,7 +217,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
 
 # On SIGTERM or Ctrl-C, open responses get this long to finish before uvicorn closes
 # them: a live view's feed (/ui) never finishes by itself, and would hold the server.
-GRACEFUL_SHUTDOWN_S = 10.0
+GRACEFUL_SHUTDOWN_S = 10  # seconds
 # The routes --api-key guards: the API, and the live view's data (its page itself holds none).
 GUARDED_PREFIXES = ("/v1", "/ui/api/")
 
