@@ -73,11 +73,12 @@
     for (const [name, value] of Object.entries(attrs || {})) node.setAttribute(name, value);
     return node;
   }
-  // One colour per request id, stable across frames (a hue from the id's characters).
+  // One colour per request id, stable across frames: a hash of the id's characters, spread
+  // round the colour wheel by the golden angle so that ids "0", "1", "2" get far-apart hues.
   function requestColour(id) {
     let hash = 0;
-    for (const ch of String(id)) hash = (hash * 31 + ch.charCodeAt(0)) % 360;
-    return `hsl(${hash}, 65%, 55%)`;
+    for (const ch of String(id)) hash = (hash * 31 + ch.charCodeAt(0)) % 100003;
+    return `hsl(${Math.round((hash * 137.508) % 360)}, 60%, 52%)`;
   }
   function label(id) { return /^\d+$/.test(id) ? `r${id}` : id; }
 
