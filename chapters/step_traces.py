@@ -1,8 +1,9 @@
 """The step traces the docs site replays: one short run per chapter, recorded from the real engine.
 
-Chapters 3 (scheduler), 4 (KV cache manager), 5 (engine skeleton) and 9
-(speculative decoding). The docs hook (``docs/hooks/main.py``) records them
-when the site is built, so a replay always shows what today's engine does;
+Chapters 3 (scheduler), 4 (KV cache manager), 5 (engine skeleton), 9
+(speculative decoding) and 10 (disaggregated prefill and decode). The docs
+hook (``docs/hooks/main.py``) records them when the site is built, so a
+replay always shows what today's engine does;
 each page embeds its trace with ``{{ step_trace("ch03") }}`` and the step
 viewer of ``nanoengine/instruments/live_view/`` draws it with a scrub bar.
 
@@ -10,7 +11,8 @@ Each run uses the tiny random-weight Llama of the grader (two layers, a
 320-token vocabulary): scheduling and KV blocks do not depend on what the
 weights say, only on token counts, so the pictures are those of any model
 with these settings, recorded in a second. Arrivals are given by step, so a
-run reads the same every time:
+run reads the same every time (chapter 10's excepted: how many steps a pull
+over TCP takes depends on the machine):
 
 * ``ch03``: six requests against a 32-token budget and a small KV cache:
   chunked prefills beside decodes, then a preemption;
@@ -22,7 +24,14 @@ run reads the same every time:
 * ``ch09``: ngram speculation on chapter 9's "repeat this text" prompt:
   drafts proposed and accepted per step. This one runs SmolLM2 (``make
   model`` prepares it): a random model never repeats its context, so its
-  drafts would all be rejected.
+  drafts would all be rejected;
+* ``ch10-producer`` and ``ch10-consumer`` (``record_disaggregated``): a
+  prefill engine and a decode engine in this process, the KV crossing over
+  loopback TCP (the ZmqConnector): the producer's blocks held after its
+  requests finish, then freed once read; the consumer's requests waiting in
+  WAITING_FOR_REMOTE_KVS while their blocks arrive; the second prompt shares
+  a prefix with the first and leaves once the first decodes, so the
+  consumer finds that prefix cached and pulls only the blocks it lacks.
 
     python -m chapters.step_traces --out DIR [NAME ...]
 
@@ -32,6 +41,7 @@ vLLM 0.32 counterpart: none.
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +52,10 @@ from chapters.grade_checks.tiny_model import tiny_llama_model_dir
 from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.instruments.live_view.offline import record_frames, save_trace
+from nanoengine.request import RequestStatus
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.transformers_utils.config import resolve_model_path
+from nanoengine.utils.system_utils import get_open_port
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -75,6 +87,10 @@ class Scenario:
 
 def _add(request_id: str, prompt: list[int], params: SamplingParams, streaming: bool = False) -> Callable[..., None]:
     return lambda engine: engine.add_request(request_id, {"prompt_token_ids": prompt}, params, streaming=streaming)
+
+
+# The two traces record_disaggregated writes (one run, two engines).
+DISAGGREGATED = ("ch10-producer", "ch10-consumer")
 
 
 def _chat(request_id: str, text: str, params: SamplingParams) -> Callable[[LLMEngine], None]:
@@ -132,6 +148,77 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+# Chapter 10's two engines: blocks of 16, a shared prefix of 32 tokens in the second prompt.
+PD_PROMPTS = {"p1": ids(45, 30), "p2": ids(32, 30) + ids(14, 210), "p3": ids(20, 90)}
+PD_DEADLINE_S = 30.0
+
+
+def record_all(out_dir: Path, names: list[str] | None = None) -> list[Path]:
+    """Every trace (or those ``names``), written into ``out_dir``."""
+    chosen = names or [*SCENARIOS, *DISAGGREGATED]
+    paths = [record(name, out_dir) for name in chosen if name in SCENARIOS]
+    if any(name in DISAGGREGATED for name in chosen):
+        paths += record_disaggregated(out_dir)
+    return paths
+
+
+def _tiny_engine(**engine_args: Any) -> LLMEngine:
+    args = {"block_size": 16, "max_model_len": 128, "dtype": "float32", "skip_tokenizer_init": True, **engine_args}
+    return LLMEngine.from_engine_args(EngineArgs(model=tiny_llama_model_dir(2), **args))
+
+
+def record_disaggregated(out_dir: Path) -> list[Path]:
+    """Chapter 10: a producer and a consumer engine, stepped in turns as two servers would run.
+
+    Each prompt is prefilled on the producer (``max_tokens`` 1 and
+    ``do_remote_decode``, as the proxy sends it); its answer's
+    ``kv_transfer_params`` go with the same prompt to the consumer, which
+    pulls the blocks and decodes.
+    """
+    pool = {"num_gpu_blocks_override": 24, "enable_prefix_caching": True, "max_num_batched_tokens": 64}
+    producer = _tiny_engine(**pool, kv_transfer_config={"kv_connector": "ZmqConnector", "kv_role": "kv_producer",
+                                                        "kv_port": get_open_port()})
+    consumer = _tiny_engine(**pool, kv_transfer_config={"kv_connector": "ZmqConnector", "kv_role": "kv_consumer",
+                                                        "kv_connector_extra_config": {"transfer_timeout_s": 10}})
+    waves = [["p1"], ["p2", "p3"]]  # p2 and p3 leave once p1 decodes, so p2 finds p1's blocks cached
+    sent_on: set[str] = set()
+    producer_core, consumer_core = producer.engine_core.get_engine_core(), consumer.engine_core.get_engine_core()
+    try:
+        with record_frames(producer_core) as sent, record_frames(consumer_core) as received:
+            deadline = time.monotonic() + PD_DEADLINE_S
+            while waves or consumer.has_unfinished_requests() or producer_core.scheduler.held_for_remote:
+                if waves and _all_pulled(consumer_core, sent_on):
+                    for name in waves.pop(0):
+                        producer.add_request(name, {"prompt_token_ids": PD_PROMPTS[name]}, _remote(1, do_remote_decode=True))
+                        sent_on.add(name)
+                for output in producer.step():
+                    if output.finished and output.kv_transfer_params:
+                        consumer.add_request(output.request_id, {"prompt_token_ids": PD_PROMPTS[output.request_id]},
+                                             _remote(12, **output.kv_transfer_params))
+                consumer.step()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"chapter 10's run did not end within {PD_DEADLINE_S:.0f} s "
+                                       "(a pull that never finished?)")
+        meta = {"model": "tiny random-weight Llama (grader)"}
+        return [save_trace(sent, out_dir / "ch10-producer.json",
+                           {**meta, "scenario": "ch10-producer", "title": "The prefill engine (kv_producer)"}),
+                save_trace(received, out_dir / "ch10-consumer.json",
+                           {**meta, "scenario": "ch10-consumer", "title": "The decode engine (kv_consumer)"})]
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def _all_pulled(consumer_core: Any, names: set[str]) -> bool:
+    """Whether every request in ``names`` reached the consumer and left WAITING_FOR_REMOTE_KVS."""
+    requests = consumer_core.scheduler.requests
+    return all(name in requests and requests[name].status != RequestStatus.WAITING_FOR_REMOTE_KVS for name in names)
+
+
+def _remote(max_tokens: int, **kv_transfer_params: Any) -> SamplingParams:
+    return greedy(max_tokens, extra_args={"kv_transfer_params": kv_transfer_params})
+
+
 def record(name: str, out_dir: Path) -> Path:
     """Run scenario ``name`` on a fresh engine and write ``out_dir/<name>.json``."""
     scenario = SCENARIOS[name]
@@ -158,13 +245,15 @@ def record(name: str, out_dir: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Record the docs site's step traces.")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("names", nargs="*", metavar="NAME", help=f"some of {', '.join(SCENARIOS)} (default: all)")
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"some of {', '.join([*SCENARIOS, *DISAGGREGATED])} (default: all)")
     args = parser.parse_args()
-    unknown = [name for name in args.names if name not in SCENARIOS]
+    known = [*SCENARIOS, *DISAGGREGATED]
+    unknown = [name for name in args.names if name not in known]
     if unknown:
-        parser.error(f"no scenario {', '.join(unknown)}: choose from {', '.join(SCENARIOS)}")
-    for name in args.names or SCENARIOS:
-        print(record(name, args.out))
+        parser.error(f"no scenario {', '.join(unknown)}: choose from {', '.join(known)}")
+    for path in record_all(args.out, args.names):
+        print(path)
 
 
 if __name__ == "__main__":

@@ -345,3 +345,19 @@ def test_the_replays_show_what_their_pages_say(tmp_path: Path) -> None:
     assert "WAITING_FOR_STREAMING_REQ" in seen
     finished = {k: v for k, v in ch05[-1]["counts"]["states"].items() if v}
     assert finished == {"FINISHED_STOPPED": 1, "FINISHED_LENGTH_CAPPED": 2, "FINISHED_ABORTED": 1}
+
+
+def test_the_disaggregated_replays_show_what_chapter_ten_says(tmp_path: Path) -> None:
+    """docs/chapters/ch10: blocks held on the producer after its requests end, then freed;
+    the consumer's requests in WAITING_FOR_REMOTE_KVS; ``p2``'s shared prefix a local hit."""
+    from chapters.step_traces import record_disaggregated
+
+    producer, consumer = (check_trace_document(json.loads(path.read_text()))
+                          for path in record_disaggregated(tmp_path))
+    held_alone = [f for f in producer if f["counts"]["held"] and not f["requests"]]
+    assert held_alone and held_alone[0]["finished"] == {"p1": "FINISHED_LENGTH_CAPPED"}
+    assert producer[-1]["counts"]["held"] == 0 and producer[-1]["counts"]["cached"] == 3
+    waited = {r["id"] for f in consumer for r in f["requests"] if r["state"] == "WAITING_FOR_REMOTE_KVS"}
+    assert waited == {"p1", "p2", "p3"}
+    assert consumer[-1]["prefix_cache"] == {"queries": 111, "hits": 32}
+    assert consumer[-1]["counts"]["states"]["FINISHED_LENGTH_CAPPED"] == 3

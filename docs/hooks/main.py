@@ -97,10 +97,10 @@ def _step_traces() -> dict[str, str]:
     (a few seconds: tiny engines, and SmolLM2 for chapter 9)."""
     import tempfile
 
-    from chapters.step_traces import SCENARIOS, record
+    from chapters.step_traces import record_all
 
     with tempfile.TemporaryDirectory(prefix="nanoengine-traces-") as folder:
-        return {name: record(name, Path(folder)).read_text(encoding="utf-8") for name in SCENARIOS}
+        return {path.stem: path.read_text(encoding="utf-8") for path in record_all(Path(folder))}
 
 
 def _forget_the_other_editions_anchors(config: Any) -> None:
