@@ -89,10 +89,6 @@ def _add(request_id: str, prompt: list[int], params: SamplingParams, streaming: 
     return lambda engine: engine.add_request(request_id, {"prompt_token_ids": prompt}, params, streaming=streaming)
 
 
-# The two traces record_disaggregated writes (one run, two engines).
-DISAGGREGATED = ("ch10-producer", "ch10-consumer")
-
-
 def _chat(request_id: str, text: str, params: SamplingParams) -> Callable[[LLMEngine], None]:
     def add(engine: LLMEngine) -> None:
         engine.add_rendered_request(request_id, engine.renderer.render_chat([{"role": "user", "content": text}]), params)
@@ -151,20 +147,26 @@ SCENARIOS: dict[str, Scenario] = {
 # Chapter 10's two engines: blocks of 16, a shared prefix of 32 tokens in the second prompt.
 PD_PROMPTS = {"p1": ids(45, 30), "p2": ids(32, 30) + ids(14, 210), "p3": ids(20, 90)}
 PD_DEADLINE_S = 30.0
+# The two traces record_disaggregated writes (one run, two engines), and every trace's name.
+DISAGGREGATED = ("ch10-producer", "ch10-consumer")
+TRACE_NAMES = [*SCENARIOS, *DISAGGREGATED]
 
 
 def record_all(out_dir: Path, names: list[str] | None = None) -> list[Path]:
     """Every trace (or those ``names``), written into ``out_dir``."""
-    chosen = names or [*SCENARIOS, *DISAGGREGATED]
+    chosen = names or TRACE_NAMES
     paths = [record(name, out_dir) for name in chosen if name in SCENARIOS]
     if any(name in DISAGGREGATED for name in chosen):
         paths += record_disaggregated(out_dir)
     return paths
 
 
-def _tiny_engine(**engine_args: Any) -> LLMEngine:
-    args = {"block_size": 16, "max_model_len": 128, "dtype": "float32", "skip_tokenizer_init": True, **engine_args}
-    return LLMEngine.from_engine_args(EngineArgs(model=tiny_llama_model_dir(2), **args))
+def _engine(real_model: bool, **engine_args: Any) -> LLMEngine:
+    """SmolLM2 (``real_model``) or the tiny random Llama, blocks of 16, float32."""
+    args = {"block_size": 16, "max_model_len": 256 if real_model else 128, "dtype": "float32",
+            "skip_tokenizer_init": not real_model, **engine_args}
+    model = resolve_model_path(DEFAULT_MODEL) if real_model else tiny_llama_model_dir(2)
+    return LLMEngine.from_engine_args(EngineArgs(model=model, **args))
 
 
 def record_disaggregated(out_dir: Path) -> list[Path]:
@@ -176,9 +178,9 @@ def record_disaggregated(out_dir: Path) -> list[Path]:
     pulls the blocks and decodes.
     """
     pool = {"num_gpu_blocks_override": 24, "enable_prefix_caching": True, "max_num_batched_tokens": 64}
-    producer = _tiny_engine(**pool, kv_transfer_config={"kv_connector": "ZmqConnector", "kv_role": "kv_producer",
+    producer = _engine(False, **pool, kv_transfer_config={"kv_connector": "ZmqConnector", "kv_role": "kv_producer",
                                                         "kv_port": get_open_port()})
-    consumer = _tiny_engine(**pool, kv_transfer_config={"kv_connector": "ZmqConnector", "kv_role": "kv_consumer",
+    consumer = _engine(False, **pool, kv_transfer_config={"kv_connector": "ZmqConnector", "kv_role": "kv_consumer",
                                                         "kv_connector_extra_config": {"transfer_timeout_s": 10}})
     waves = [["p1"], ["p2", "p3"]]  # p2 and p3 leave once p1 decodes, so p2 finds p1's blocks cached
     sent_on: set[str] = set()
@@ -222,10 +224,7 @@ def _remote(max_tokens: int, **kv_transfer_params: Any) -> SamplingParams:
 def record(name: str, out_dir: Path) -> Path:
     """Run scenario ``name`` on a fresh engine and write ``out_dir/<name>.json``."""
     scenario = SCENARIOS[name]
-    args = {"block_size": 16, "max_model_len": 256 if scenario.real_model else 128, "dtype": "float32",
-            "skip_tokenizer_init": not scenario.real_model, **scenario.engine_args}
-    model = resolve_model_path(DEFAULT_MODEL) if scenario.real_model else tiny_llama_model_dir(2)
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model, **args))
+    engine = _engine(scenario.real_model, **scenario.engine_args)
     core = engine.engine_core.get_engine_core()
     try:
         with record_frames(core) as feed:
@@ -246,12 +245,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Record the docs site's step traces.")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("names", nargs="*", metavar="NAME",
-                        help=f"some of {', '.join([*SCENARIOS, *DISAGGREGATED])} (default: all)")
+                        help=f"some of {', '.join(TRACE_NAMES)} (default: all)")
     args = parser.parse_args()
-    known = [*SCENARIOS, *DISAGGREGATED]
-    unknown = [name for name in args.names if name not in known]
+    unknown = [name for name in args.names if name not in TRACE_NAMES]
     if unknown:
-        parser.error(f"no scenario {', '.join(unknown)}: choose from {', '.join(known)}")
+        parser.error(f"no scenario {', '.join(unknown)}: choose from {', '.join(TRACE_NAMES)}")
     for path in record_all(args.out, args.names):
         print(path)
 
