@@ -58,6 +58,8 @@ from nanoengine.transformers_utils.config import resolve_model_path
 from nanoengine.utils.system_utils import get_open_port
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# What a trace of the tiny random-weight model says it ran.
+TINY_MODEL = "tiny random-weight Llama (grader)"
 
 # A run ends when every request has, or after this many steps.
 MAX_STEPS = 400
@@ -201,11 +203,9 @@ def record_disaggregated(out_dir: Path) -> list[Path]:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"chapter 10's run did not end within {PD_DEADLINE_S:.0f} s "
                                        "(a pull that never finished?)")
-        meta = {"model": "tiny random-weight Llama (grader)"}
-        return [save_trace(sent, out_dir / "ch10-producer.json",
-                           {**meta, "scenario": "ch10-producer", "title": "The prefill engine (kv_producer)"}),
-                save_trace(received, out_dir / "ch10-consumer.json",
-                           {**meta, "scenario": "ch10-consumer", "title": "The decode engine (kv_consumer)"})]
+        titles = ("The prefill engine (kv_producer)", "The decode engine (kv_consumer)")
+        return [save_trace(feed, out_dir / f"{name}.json", {"scenario": name, "title": title, "model": TINY_MODEL})
+                for feed, name, title in zip((sent, received), DISAGGREGATED, titles)]
     finally:
         producer.shutdown()
         consumer.shutdown()
@@ -236,7 +236,7 @@ def record(name: str, out_dir: Path) -> Path:
                 engine.step()
         return save_trace(feed, out_dir / f"{name}.json",
                           {"scenario": name, "title": scenario.title,
-                           "model": DEFAULT_MODEL if scenario.real_model else "tiny random-weight Llama (grader)"})
+                           "model": DEFAULT_MODEL if scenario.real_model else TINY_MODEL})
     finally:
         engine.shutdown()
 
