@@ -2,16 +2,21 @@
 
 Chapter 4 (KV cache manager; hybrid models) and chapter 6 (``determine_available_memory``).
 vLLM 0.32 counterpart: ``vllm/v1/kv_cache_interface.py`` (``FullAttentionSpec``,
-``MambaSpec``, ``KVCacheGroupSpec``, ``KVCacheTensor``, ``KVCacheConfig``).
+``SlidingWindowSpec``, ``MambaSpec``, ``KVCacheGroupSpec``, ``KVCacheTensor``,
+``KVCacheConfig``).
 
 The worker reports a spec (the shape of one block); the engine divides the memory
 budget by what one block costs and hands the result to both sides: the scheduler's
 KV cache manager counts blocks, the worker allocates the tensors.
 
-A layer keeps one of two kinds of per-request memory:
+A layer keeps one of three kinds of per-request memory:
 
 * full attention (``FullAttentionSpec``): K and V of every token so far, so a
   request's memory grows with its length, one block per ``block_size`` tokens;
+* sliding-window attention (``SlidingWindowSpec``): the same pages, but a token
+  only looks at the last ``sliding_window`` tokens (itself included), so the
+  blocks that fall out of every later token's window can be given back: a
+  request's memory stops growing once it is longer than the window;
 * a recurrent state (``MambaSpec``: Mamba, or the Gated DeltaNet "linear
   attention" of Qwen3.5): a fixed number of bytes, however long the request.
 
@@ -29,11 +34,12 @@ from typing import NamedTuple
 
 from nanoengine.utils.math_utils import cdiv
 
-# The KV cache group whose block tables paged attention reads. Block ids travel
-# as one list per group (vLLM's ``tuple[list[int], ...]``). A plain model has one
-# group, holding all its layers; a hybrid model's full-attention groups come
-# first (``group_kv_cache_layers``), so group 0 is a full-attention group in
-# every model (Qwen3.5 has exactly one).
+# The KV cache group the KV connectors (chapter 10) move. Block ids travel as one
+# list per group (vLLM's ``tuple[list[int], ...]``). A plain model has one
+# group, holding all its layers; a hybrid model's K/V groups come first
+# (``group_kv_cache_layers``), full attention before sliding windows, so group 0
+# keeps K and V in every model: full attention, or a sliding window when every
+# layer has one (Mistral).
 FULL_ATTENTION_GROUP = 0
 
 
@@ -58,8 +64,50 @@ class FullAttentionSpec:
         return self.page_size_per_layer * self.num_layers
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        """Blocks a request of ``num_tokens`` tokens holds: one per ``block_size`` tokens."""
+        """Entries of the block table of a request of ``num_tokens`` tokens: one per ``block_size`` tokens."""
         return cdiv(num_tokens, self.block_size)
+
+    def max_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """The most blocks one request can hold at once: all of the longest one's.
+
+        vLLM's ``max_memory_usage_bytes``, counted in blocks (every group's page
+        is the same size, so blocks are what the sizing adds up).
+        """
+        return self.num_blocks_for(max_model_len)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """Full attention's pages, for layers whose tokens see only the last ``sliding_window`` tokens.
+
+    The window counts the token itself, as in HF transformers and vLLM: the
+    token at position ``p`` reads keys ``p - sliding_window + 1 .. p``. The
+    block table keeps one entry per ``block_size`` tokens, as for full
+    attention, but entries wholly before every later token's window hold the
+    null block instead of a real one (``SlidingWindowManager``).
+
+    vLLM derives both specs from one ``AttentionSpec``; here a sliding spec *is*
+    a full-attention spec plus a window, since the pages are the same: code
+    that only lays out K/V pages treats both alike, and only the manager that
+    decides which blocks a request keeps tells them apart.
+    """
+
+    sliding_window: int
+
+    def __post_init__(self) -> None:
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 token, got {self.sliding_window}.")
+
+    def max_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """The most blocks one request holds at once: a window plus one step's tokens.
+
+        A step that computes ``n`` tokens needs the ``sliding_window - 1`` keys
+        before its first one and slots for all ``n``. Those tokens straddle
+        block boundaries, hence one block more than they fill. Never more than
+        full attention would hold. vLLM 0.32 sizes ``SlidingWindowSpec`` the same way.
+        """
+        num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+        return min(cdiv(num_tokens, self.block_size) + 1, self.num_blocks_for(max_model_len))
 
 
 @dataclass(frozen=True)
@@ -104,8 +152,13 @@ class MambaSpec:
         """Blocks a request of ``num_tokens`` tokens holds: one, once it has a token."""
         return cdiv(num_tokens, self.block_size)
 
+    def max_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """One block, whatever the request's length."""
+        return self.num_blocks_for(max_model_len)
 
-KVCacheSpec = FullAttentionSpec | MambaSpec
+
+# SlidingWindowSpec is a FullAttentionSpec, so the union names it only for the reader.
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MambaSpec
 
 
 @dataclass(frozen=True)
@@ -113,7 +166,7 @@ class KVCacheGroupSpec:
     """Layers that share one block table per request, and the spec of each of them.
 
     ``kv_cache_spec`` describes *one* layer of the group (a ``FullAttentionSpec``
-    with ``num_layers=1``, or a ``MambaSpec``); layer ``layer_indices[j]`` keeps
+    or ``SlidingWindowSpec`` with ``num_layers=1``, or a ``MambaSpec``); layer ``layer_indices[j]`` keeps
     its pages in shared tensor ``j`` (see ``KVCacheConfig.kv_cache_tensors``).
     """
 
@@ -133,8 +186,15 @@ class KVCacheTensor(NamedTuple):
 
 
 def num_blocks_for(groups: tuple[KVCacheGroupSpec, ...], num_tokens: int) -> int:
-    """Blocks a request of ``num_tokens`` tokens holds over all its block tables."""
+    """Block-table entries of a request of ``num_tokens`` tokens over all its tables."""
     return sum(group.kv_cache_spec.num_blocks_for(num_tokens) for group in groups)
+
+
+def max_num_blocks(groups: tuple[KVCacheGroupSpec, ...], max_model_len: int, max_num_batched_tokens: int) -> int:
+    """The most blocks one request holds at once over all its tables (a sliding
+    window's group holds a bounded number, see ``SlidingWindowSpec.max_num_blocks``).
+    """
+    return sum(group.kv_cache_spec.max_num_blocks(max_model_len, max_num_batched_tokens) for group in groups)
 
 
 @dataclass(frozen=True)
@@ -145,9 +205,12 @@ class KVCacheConfig:
     all ``spec.num_layers`` layers, each in a tensor of its own, and one block id
     costs ``spec.page_size_bytes`` (K and V of ``block_size`` tokens, every layer).
 
+    ``spec`` may be a ``SlidingWindowSpec``: a model whose every layer has the
+    same window (Mistral) is a plain model too.
+
     A hybrid model passes its ``kv_cache_groups`` too (``group_kv_cache_layers``
-    builds both); ``spec`` then stands for all its full-attention layers at the
-    block size the groups agreed on. One block id costs ``bytes_per_block``: a
+    builds both); ``spec`` then stands for all its K/V layers (full attention
+    and sliding windows alike) at the block size the groups agreed on. One block id costs ``bytes_per_block``: a
     page in each of the ``num_shared_tensors`` shared tensors, whichever group
     holds it, since each group's ``j``-th layer uses tensor ``j``.
     """
@@ -171,18 +234,20 @@ class KVCacheConfig:
         block_sizes = {self.kv_cache_groups[i].kv_cache_spec.block_size for i in self.attention_group_ids}
         if block_sizes != {self.spec.block_size}:
             raise ValueError(
-                f"The full-attention groups have block sizes {sorted(block_sizes)}, "
+                f"The K/V groups have block sizes {sorted(block_sizes)}, "
                 f"spec.block_size is {self.spec.block_size}."
             )
 
     @property
     def block_size(self) -> int:
-        """Tokens per block of the full-attention groups: the scheduler's block size."""
+        """Tokens per block of the K/V groups: the scheduler's block size."""
         return self.spec.block_size
 
     @property
     def attention_group_ids(self) -> tuple[int, ...]:
-        """The full-attention groups (they come first; ``FULL_ATTENTION_GROUP`` is one)."""
+        """The groups that keep K and V: full attention, then sliding windows
+        (they come first; ``FULL_ATTENTION_GROUP`` is one).
+        """
         groups = self.kv_cache_groups
         return tuple(i for i, group in enumerate(groups) if isinstance(group.kv_cache_spec, FullAttentionSpec))
 
@@ -221,5 +286,9 @@ class KVCacheConfig:
         )
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        """Blocks a request of ``num_tokens`` tokens holds, every group counted."""
+        """Block-table entries of a request of ``num_tokens`` tokens, every group counted."""
         return num_blocks_for(self.kv_cache_groups, num_tokens)
+
+    def max_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """The most blocks one request holds at once, every group counted."""
+        return max_num_blocks(self.kv_cache_groups, max_model_len, max_num_batched_tokens)

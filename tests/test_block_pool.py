@@ -113,22 +113,22 @@ def test_cache_full_blocks_fills_the_hash_map() -> None:
     pool = BlockPool(num_blocks=5, enable_caching=True)
     request = make_request("r", list(range(10)))  # 2 full blocks + 2 tokens
     blocks = pool.get_new_blocks(3)
-    pool.cache_full_blocks(request, blocks, num_cached_blocks=0, num_full_blocks=2)
-    assert pool.get_cached_block(request.block_hashes[0]) is blocks[0]
-    assert pool.get_cached_block(request.block_hashes[1]) is blocks[1]
+    pool.cache_full_blocks(request, blocks, num_cached_blocks=0, num_full_blocks=2, kv_cache_group_id=0)
+    assert pool.get_cached_block(request.block_hashes[0], 0) is blocks[0]
+    assert pool.get_cached_block(request.block_hashes[1], 0) is blocks[1]
     assert blocks[2].block_hash is None  # the partial block is never cached
     assert len(pool.cached_block_hash_to_block) == 2
     with pytest.raises(ValueError, match="has 2 block hashes"):
-        pool.cache_full_blocks(request, blocks, num_cached_blocks=2, num_full_blocks=3)
+        pool.cache_full_blocks(request, blocks, num_cached_blocks=2, num_full_blocks=3, kv_cache_group_id=0)
 
 
 def test_identical_block_of_second_request_is_not_cached_twice() -> None:
     pool = BlockPool(num_blocks=5, enable_caching=True)
     first, second = make_request("a", [1, 2, 3, 4]), make_request("b", [1, 2, 3, 4])
     block_a, block_b = pool.get_new_blocks(2)
-    pool.cache_full_blocks(first, [block_a], 0, 1)
-    pool.cache_full_blocks(second, [block_b], 0, 1)
-    assert pool.get_cached_block(first.block_hashes[0]) is block_a
+    pool.cache_full_blocks(first, [block_a], 0, 1, 0)
+    pool.cache_full_blocks(second, [block_b], 0, 1, 0)
+    assert pool.get_cached_block(first.block_hashes[0], 0) is block_a
     assert block_b.block_hash is None
 
 
@@ -136,27 +136,27 @@ def test_reusing_a_cached_free_block_evicts_its_hash_in_lru_order() -> None:
     pool = BlockPool(num_blocks=5, enable_caching=True)
     request = make_request("r", list(range(12)))  # exactly 3 full blocks
     blocks = pool.get_new_blocks(3)
-    pool.cache_full_blocks(request, blocks, 0, 3)
+    pool.cache_full_blocks(request, blocks, 0, 3, 0)
     # Freed in reverse, as KVCacheCoordinator.free does: the last block first.
     pool.free_blocks(reversed(blocks))
     assert ids(pool.free_block_queue.get_all_free_blocks()) == [4, 3, 2, 1]
 
     # The never-used block 4 goes out first; then the cached tail block 3.
     assert ids(pool.get_new_blocks(2)) == [4, 3]
-    assert pool.get_cached_block(request.block_hashes[2]) is None
+    assert pool.get_cached_block(request.block_hashes[2], 0) is None
     assert blocks[2].block_hash is None
     # The prefix blocks 1 and 2 are still cached (and still free).
-    assert pool.get_cached_block(request.block_hashes[0]) is blocks[0]
-    assert pool.get_cached_block(request.block_hashes[1]) is blocks[1]
+    assert pool.get_cached_block(request.block_hashes[0], 0) is blocks[0]
+    assert pool.get_cached_block(request.block_hashes[1], 0) is blocks[1]
 
 
 def test_reset_prefix_cache_only_when_idle() -> None:
     pool = BlockPool(num_blocks=5, enable_caching=True)
     request = make_request("r", list(range(4)))
     blocks = pool.get_new_blocks(1)
-    pool.cache_full_blocks(request, blocks, 0, 1)
+    pool.cache_full_blocks(request, blocks, 0, 1, 0)
     assert pool.reset_prefix_cache() is False
-    assert pool.get_cached_block(request.block_hashes[0]) is blocks[0]
+    assert pool.get_cached_block(request.block_hashes[0], 0) is blocks[0]
     pool.free_blocks(blocks)
     assert pool.reset_prefix_cache() is True
     assert pool.cached_block_hash_to_block == {}

@@ -6,7 +6,8 @@ reference count. It keeps three structures in step:
 
 * ``blocks``: all ``num_blocks`` block objects, indexed by block id;
 * ``free_block_queue``: blocks with ``ref_cnt == 0``, least recently freed first;
-* ``cached_block_hash_to_block``: the prefix cache, full-block hash -> block.
+* ``cached_block_hash_to_block``: the prefix cache, (full-block hash, KV cache
+  group) -> block.
 
 A free block may still be in the prefix cache. That is the whole trick of
 prefix caching without a separate cache memory: freeing only makes a block
@@ -26,7 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from nanoengine.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from nanoengine.core.kv_cache_utils import (
+    BlockHashWithGroupId,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    make_block_hash_with_group_id,
+)
 from nanoengine.request import BlockHash, Request
 
 
@@ -46,7 +52,7 @@ class BlockPool:
         # One entry per cached hash. If two requests fill identical blocks, the
         # first one registered wins and the duplicate stays uncached (vLLM keeps
         # both under the same hash; one is enough to serve future hits).
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.cached_block_hash_to_block: dict[BlockHashWithGroupId, KVCacheBlock] = {}
         self.null_block = self.free_block_queue.popleft()
 
     @property
@@ -125,9 +131,9 @@ class BlockPool:
 
     # ---- the prefix cache ----------------------------------------------------
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """The block whose contents hash to ``block_hash``, if it is still cached."""
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, kv_cache_group_id: int) -> KVCacheBlock | None:
+        """Group ``kv_cache_group_id``'s block whose contents hash to ``block_hash``, if still cached."""
+        return self.cached_block_hash_to_block.get(make_block_hash_with_group_id(block_hash, kv_cache_group_id))
 
     def cache_full_blocks(
         self,
@@ -135,8 +141,10 @@ class BlockPool:
         blocks: Sequence[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        kv_cache_group_id: int,
     ) -> None:
-        """Register ``blocks[num_cached_blocks:num_full_blocks]`` in the prefix cache.
+        """Register ``blocks[num_cached_blocks:num_full_blocks]`` of group
+        ``kv_cache_group_id`` in the prefix cache.
 
         ``blocks`` is the request's whole block table; the first
         ``num_cached_blocks`` were registered earlier (or came from a cache hit),
@@ -151,7 +159,8 @@ class BlockPool:
                 f"cannot cache {num_full_blocks} full blocks (was it built with a block_hasher?)."
             )
         for index in range(num_cached_blocks, num_full_blocks):
-            block, block_hash = blocks[index], request.block_hashes[index]
+            block = blocks[index]
+            block_hash = make_block_hash_with_group_id(request.block_hashes[index], kv_cache_group_id)
             if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
                 continue  # already registered, or an identical block got there first
             block.block_hash = block_hash

@@ -11,10 +11,11 @@ are; block ids travel as one list per group.
 * ``UnitaryKVCacheCoordinator``: one group (Llama, Qwen2, Qwen3). A prefix-cache
   hit is that group's hit.
 * ``HybridKVCacheCoordinator``: several groups (Qwen3.5: full attention and
-  Gated DeltaNet). A prefix counts as cached only if every group can restore it.
-  Its state groups never can (``MambaManager``), so hybrid models run without
-  prefix caching: ``EngineArgs`` turns it off (``resolve_prefix_caching``), and
-  a lookup here would find nothing anyway.
+  Gated DeltaNet; Gemma 3: full attention and sliding windows). A prefix counts
+  as cached only if every group can restore it. State groups never can
+  (``MambaManager``), so models with them run without prefix caching:
+  ``EngineArgs`` turns it off (``resolve_prefix_caching``), and a lookup here
+  would find nothing anyway. Sliding-window groups can, from fewer blocks.
 
 Preemption frees every group: the attention blocks, and the state, which is
 simply dropped; the request is recomputed from token 0, which rebuilds it.
@@ -99,6 +100,13 @@ class KVCacheCoordinator(ABC):
             for block in manager.uncomputed_cached_blocks(request_id, num_computed_tokens)
         ]
 
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """In every group, give back the blocks no query from ``num_computed_tokens``
+        on will read (sliding windows; full attention and states skip nothing).
+        """
+        for manager in self.single_type_managers:
+            manager.remove_skipped_blocks(request_id, num_computed_tokens)
+
     def free(self, request_id: str) -> None:
         """Give back the request's blocks in every group (each group's tail first)."""
         for manager in self.single_type_managers:
@@ -124,23 +132,30 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
-    """A model whose layers form several groups (full attention and recurrent states)."""
+    """A model whose layers form several groups (full attention with sliding
+    windows or recurrent states)."""
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """The longest prefix every group has cached, each group's blocks for it.
 
-        A prefix is reusable only if *every* layer can restore it: the attention
-        groups their K/V up to its end, the state groups their state at its end.
-        Each group's hit is also a hit for any shorter prefix, so one pass that
-        lets each group shorten the bound finds the answer (vLLM iterates to a
-        fixed point, for groups such as sliding windows where that fails). With
-        a state group the answer is 0 tokens: ``MambaManager`` never hits.
+        A prefix is reusable only if *every* layer can restore it: full
+        attention its K/V up to its end, a sliding window the K/V of the window
+        before its end, a state group its state at its end. Each group in turn
+        may shorten the bound. A full-attention hit is also a hit for every
+        shorter prefix, but a sliding window's is not (a shorter prefix has
+        another window, whose blocks may be gone), so the groups are asked
+        again until no group shortens it: a fixed point, as in vLLM. With a
+        state group the answer is 0 tokens: ``MambaManager`` never hits.
         """
         hit_length = max_length
-        for manager in self.single_type_managers:
-            _, hit_length = manager.find_longest_cache_hit(block_hashes, hit_length)
+        while True:
+            bound = hit_length
+            for manager in self.single_type_managers:
+                _, hit_length = manager.find_longest_cache_hit(block_hashes, hit_length)
+            if hit_length == bound:
+                break
         managers = self.single_type_managers
         hit_blocks = tuple(manager.find_longest_cache_hit(block_hashes, hit_length)[0] for manager in managers)
         return hit_blocks, hit_length

@@ -17,6 +17,13 @@ hold one recurrent state of fixed size per request. As in vLLM, both live in
    steps of 16 tokens (vLLM's kernel alignment), until a page holds a state,
    and the state page is padded up to it.
 
+Sliding-window layers (Gemma 3's local layers beside its global ones) keep K
+and V pages exactly like full-attention layers, at the same block size; they
+form groups of their own all the same, because their manager frees the blocks
+that leave the window (``SlidingWindowManager``) while a full-attention
+group's table keeps every block. Full-attention groups come first, then
+sliding-window groups, then state groups.
+
 The group size is vLLM's: the smaller layer count, so every group of the rarer
 kind is full, unless the larger count is under 1.5 times it; then the larger,
 so a near-even split is not cut into half-empty groups. A group short of
@@ -41,11 +48,13 @@ from nanoengine.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
+    SlidingWindowSpec,
+    max_num_blocks,
     num_blocks_for,
 )
 from nanoengine.utils.math_utils import cdiv
 
-_Spec = TypeVar("_Spec", FullAttentionSpec, MambaSpec)
+_Spec = TypeVar("_Spec", FullAttentionSpec, SlidingWindowSpec, MambaSpec)
 
 # Attention block sizes are raised in steps of this many tokens: the alignment
 # vLLM 0.32 keeps for its attention kernels when it enlarges a hybrid model's blocks.
@@ -85,38 +94,53 @@ class KVCacheLayout(NamedTuple):
 
     @property
     def attention_spec(self) -> FullAttentionSpec:
-        """All full-attention layers of the model, at the agreed block size."""
+        """All K/V layers of the model (full attention and sliding windows), at the agreed block size."""
         attention = [g for g in self.kv_cache_groups if isinstance(g.kv_cache_spec, FullAttentionSpec)]
         per_layer = attention[0].kv_cache_spec
         assert isinstance(per_layer, FullAttentionSpec)  # narrowed by the filter above, for mypy
         return replace(per_layer, num_layers=sum(len(g.layer_indices) for g in attention))
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        """Blocks a request of ``num_tokens`` tokens holds, every group counted."""
+        """Block-table entries of a request of ``num_tokens`` tokens, every group counted."""
         return num_blocks_for(self.kv_cache_groups, num_tokens)
+
+    def max_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """The most blocks one request holds at once, every group counted."""
+        return max_num_blocks(self.kv_cache_groups, max_model_len, max_num_batched_tokens)
 
 
 def group_kv_cache_layers(layer_specs: Mapping[int, KVCacheSpec]) -> KVCacheLayout:
     """Split a model's layers into KV cache groups that can share one block pool.
 
     ``layer_specs`` maps each layer index to its own spec: a ``FullAttentionSpec``
-    with ``num_layers=1`` (its ``block_size`` is the one asked for), or a
-    ``MambaSpec``. Every layer of a kind must have the same spec. Full-attention
-    groups come first, so group 0 is one. A plain model comes back as one group.
+    or ``SlidingWindowSpec`` with ``num_layers=1`` (its ``block_size`` is the one
+    asked for), or a ``MambaSpec``. Every layer of a kind must have the same
+    spec. K/V groups come first, full attention before sliding windows, so
+    group 0 keeps K and V. A plain model comes back as one group.
     """
-    attention_spec, attention_layers = _the_one_spec(layer_specs, FullAttentionSpec)
+    full_spec, full_layers = _the_one_spec(layer_specs, FullAttentionSpec)
+    sliding_spec, sliding_layers = _the_one_spec(layer_specs, SlidingWindowSpec)
     state_spec, state_layers = _the_one_spec(layer_specs, MambaSpec)
-    if attention_spec is None:
-        raise ValueError("A model needs a full-attention layer: its block size is the scheduler's.")
-    if attention_spec.num_layers != 1:
-        raise ValueError(f"Give one spec per layer (num_layers=1), not num_layers={attention_spec.num_layers}.")
+    kv_specs = [spec for spec in (full_spec, sliding_spec) if spec is not None]
+    if not kv_specs:
+        raise ValueError("A model needs an attention layer: its block size is the scheduler's.")
+    attention_spec = kv_specs[0]
+    if any(spec.num_layers != 1 for spec in kv_specs):
+        raise ValueError(f"Give one spec per layer (num_layers=1), got {kv_specs}.")
+    if len({(spec.block_size, replace(spec, block_size=1).page_size_per_layer) for spec in kv_specs}) > 1:
+        raise ValueError(f"Full-attention and sliding-window layers must share block and page sizes, got {kv_specs}.")
     bytes_per_token = replace(attention_spec, block_size=1).page_size_per_layer
     state_bytes = state_spec.state_bytes if state_spec is not None else 0
     block_size = align_hybrid_block_size(attention_spec.block_size, bytes_per_token, state_bytes)
-    group_size = _group_size([len(layers) for layers in (attention_layers, state_layers) if layers])
-    attention_group_spec = replace(attention_spec, block_size=block_size)
-    page_size = attention_group_spec.page_size_per_layer
-    groups = [KVCacheGroupSpec(layers, attention_group_spec) for layers in _split(attention_layers, group_size)]
+    kinds = [layers for layers in (full_layers, sliding_layers, state_layers) if layers]
+    group_size = _group_size([len(layers) for layers in kinds])
+    page_size = replace(attention_spec, block_size=block_size).page_size_per_layer
+    groups = [
+        KVCacheGroupSpec(layers, replace(spec, block_size=block_size))
+        for spec, kind_layers in ((full_spec, full_layers), (sliding_spec, sliding_layers))
+        if spec is not None
+        for layers in _split(kind_layers, group_size)
+    ]
     if state_spec is not None:
         padded = replace(state_spec, page_size_padded=page_size)
         groups += [KVCacheGroupSpec(layers, padded) for layers in _split(state_layers, group_size)]
@@ -152,8 +176,12 @@ def align_hybrid_block_size(requested: int, attention_bytes_per_token: int, stat
 def _the_one_spec(
     layer_specs: Mapping[int, KVCacheSpec], kind: type[_Spec]
 ) -> tuple[_Spec | None, tuple[int, ...]]:
-    """The spec every layer of ``kind`` has (None if there is no such layer), and those layers in order."""
-    layers = tuple(sorted(index for index, spec in layer_specs.items() if isinstance(spec, kind)))
+    """The spec every layer of ``kind`` has (None if there is no such layer), and those layers in order.
+
+    The kind is matched exactly: a ``SlidingWindowSpec`` is a ``FullAttentionSpec``
+    subclass, but its layers are not full-attention layers.
+    """
+    layers = tuple(sorted(index for index, spec in layer_specs.items() if type(spec) is kind))
     specs = {layer_specs[index] for index in layers}
     if len(specs) > 1:
         raise ValueError(

@@ -143,6 +143,12 @@ class KVCacheManager:
         # A request never needs KV beyond max_model_len positions.
         num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
 
+        # 0. Sliding windows (chapter 4): blocks wholly before the window of the
+        #    first token to compute now go back to the pool, the null block in
+        #    their place. Safe even if the request is not scheduled after all:
+        #    no later step of it reads them. vLLM 0.32 does this first too.
+        self.coordinator.remove_skipped_blocks(request.request_id, num_computed_tokens)
+
         # 1. Check, before touching anything, that the pool can cover it all.
         num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
             request.request_id, num_tokens_need_slot, hit_blocks

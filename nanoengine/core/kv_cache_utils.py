@@ -30,13 +30,26 @@ from nanoengine.request import BlockHash, Request
 NONE_HASH: BlockHash = hashlib.sha256(b"nanoengine: no parent block").digest()
 
 
+# A block's key in the prefix cache: its hash and the KV cache group it belongs
+# to. The groups of a hybrid model hash the same tokens to the same hash, but
+# each keeps different layers' K/V in its blocks, so a hit must come from the
+# group that asks. vLLM 0.32 appends the group id to the hash bytes the same way.
+BlockHashWithGroupId = bytes
+
+
+def make_block_hash_with_group_id(block_hash: BlockHash, kv_cache_group_id: int) -> BlockHashWithGroupId:
+    """The hash followed by the group id, as 4 big-endian bytes."""
+    return block_hash + kv_cache_group_id.to_bytes(4, "big")
+
+
 @dataclass(eq=False, repr=False, slots=True)
 class KVCacheBlock:
     """Metadata of one physical KV cache block.
 
     ``ref_cnt`` counts the requests whose block table holds this block; a block
     with ``ref_cnt == 0`` sits in the free queue. ``block_hash`` is set once the
-    block is full and registered in the prefix cache, and cleared on eviction.
+    block is full and registered in the prefix cache (its key there: the hash
+    of its tokens and its group's id), and cleared on eviction.
     The two ``*_free_block`` pointers are owned by ``FreeKVCacheBlockQueue``: they
     live on the block itself so removing a block from the middle needs no search.
     """
@@ -46,7 +59,7 @@ class KVCacheBlock:
     # would recurse through the whole list. slots: a pool holds many blocks.
     block_id: int
     ref_cnt: int = 0
-    block_hash: BlockHash | None = None
+    block_hash: BlockHashWithGroupId | None = None
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
 

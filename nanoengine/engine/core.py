@@ -114,6 +114,7 @@ class EngineCore:
             config.model_config.max_model_len,
             config.cache_config.num_gpu_blocks_override,
             budget_note=profile.describe() if (profile := self.model_executor.memory_profile) else "",
+            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         )
         config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
         if kv_cache_config.block_size != config.cache_config.block_size:
@@ -147,7 +148,11 @@ class EngineCore:
             kv_cache_config.num_blocks,
             kv_cache_config.block_size,
             max_model_len,
-            max_concurrency(kv_cache_config, max_model_len),
+            max_concurrency(
+                kv_cache_config,
+                max_model_len,
+                max_num_batched_tokens=self.engine_config.scheduler_config.max_num_batched_tokens,
+            ),
         )
 
     def describe(self) -> dict[str, Any]:

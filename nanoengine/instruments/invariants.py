@@ -10,7 +10,12 @@ the bookkeeping must guarantee after every step:
   still cached (evictable), or in use -- and the counts add up to the pool;
 * a block's ``ref_cnt`` equals the number of block tables holding it; a block
   with ``ref_cnt == 0`` is in the free queue, once, and a held one is not;
-* no block appears twice in one request's table, and the null block in none;
+* no block appears twice in one request's table, and the null block only as
+  the leading run of a sliding-window table, standing for blocks of tokens
+  that left the window (chapter 4);
+* a sliding-window table holds no more real blocks than one window plus one
+  step's tokens need (``SlidingWindowSpec.max_num_blocks``), and none of the
+  tokens every later query skips;
 * with several KV cache groups (a hybrid model), a block is held by one group
   at a time: the groups share the pool, and the layers of different groups
   share its tensors, so a block in two groups would be written twice;
@@ -42,7 +47,7 @@ from collections import Counter
 
 from nanoengine.core.block_pool import BlockPool
 from nanoengine.core.kv_cache_coordinator import KVCacheCoordinator
-from nanoengine.core.kv_cache_utils import KVCacheBlock
+from nanoengine.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from nanoengine.instruments.method_taps import tap
@@ -73,10 +78,15 @@ def check_kv_blocks(coordinator: KVCacheCoordinator) -> None:
         group = manager.kv_cache_group_id
         for request_id, blocks in manager.req_to_blocks.items():
             ids = [block.block_id for block in blocks]
+            num_null = _leading_nulls(ids, pool.null_block.block_id)
+            _require(
+                pool.null_block.block_id not in ids[num_null:],
+                f"request {request_id!r} holds the null block after a real one",
+            )
+            ids = ids[num_null:]
             _require(
                 len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice: {_duplicates(ids)}"
             )
-            _require(pool.null_block.block_id not in ids, f"request {request_id!r} holds the null block")
             for block_id in ids:
                 owner = group_of_block.setdefault(block_id, group)
                 _require(owner == group, f"block {block_id} is held by KV cache groups {owner} and {group}")
@@ -152,6 +162,7 @@ def check_scheduler(scheduler: Scheduler) -> None:
         )
         for kv_manager in managers:
             _check_running_table(kv_manager, request, scheduler.max_model_len)
+            _check_window(kv_manager, request, scheduler)
     for request in scheduler.waiting:
         _require(request.request_id not in running_ids, f"{request.request_id!r} is both waiting and running")
         _require(not request.is_finished(), f"finished {request.request_id!r} is still waiting")
@@ -200,10 +211,38 @@ def _check_running_table(manager: SingleTypeKVCacheManager, request: Request, ma
     for index, block in enumerate(blocks):
         if block.block_hash is not None:
             _require(
-                index < len(request.block_hashes) and request.block_hashes[index] == block.block_hash,
+                index < len(request.block_hashes)
+                and make_block_hash_with_group_id(request.block_hashes[index], manager.kv_cache_group_id)
+                == block.block_hash,
                 f"block {block.block_id} at position {index} of {request.request_id!r} is cached "
                 "under a hash that is not the request's",
             )
+
+
+def _check_window(manager: SingleTypeKVCacheManager, request: Request, scheduler: Scheduler) -> None:
+    """A running request's table in one group holds real blocks only where a
+    query may still read, and no more of them than the spec's bound.
+    """
+    blocks = manager.get_blocks(request.request_id)
+    num_null = _leading_nulls([block.block_id for block in blocks], manager.block_pool.null_block.block_id)
+    num_skipped = manager.get_num_skipped_tokens(request.num_computed_tokens) // manager.block_size
+    _require(
+        num_null <= num_skipped,
+        f"{request.request_id!r} has {num_null} null blocks in KV cache group {manager.kv_cache_group_id}, "
+        f"but only {num_skipped} blocks are out of the window at {request.num_computed_tokens} tokens",
+    )
+    step_tokens = scheduler.max_num_scheduled_tokens + scheduler.num_lookahead_tokens
+    bound = manager.kv_cache_spec.max_num_blocks(scheduler.max_model_len, step_tokens)
+    _require(
+        len(blocks) - num_null <= bound,
+        f"{request.request_id!r} holds {len(blocks) - num_null} blocks in KV cache group "
+        f"{manager.kv_cache_group_id}, more than the {bound} its spec allows",
+    )
+
+
+def _leading_nulls(ids: list[int], null_block_id: int) -> int:
+    """How many entries at the head of a table are the null block."""
+    return next((i for i, block_id in enumerate(ids) if block_id != null_block_id), len(ids))
 
 
 def check_invariants(scheduler: Scheduler) -> None:

@@ -295,7 +295,7 @@ class Scheduler:
                 request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
                 skipped.append(self.waiting.pop_request())
                 continue
-            message = why_never_fits(request, self.max_model_len, self.kv_cache_manager)
+            message = why_never_fits(request, self.max_model_len, self.max_num_scheduled_tokens, self.kv_cache_manager)
             if message is not None:
                 self.waiting.pop_request()
                 self._end_unscheduled(request, message, RequestStatus.FINISHED_IGNORED)

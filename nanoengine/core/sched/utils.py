@@ -129,13 +129,16 @@ def ends_in_repetition(token_ids: list[int], min_size: int, max_size: int, min_c
     return False
 
 
-def why_never_fits(request: Request, max_model_len: int, kv_cache_manager: KVCacheManager) -> str | None:
+def why_never_fits(
+    request: Request, max_model_len: int, max_num_batched_tokens: int, kv_cache_manager: KVCacheManager
+) -> str | None:
     """Why ``request`` can never run with these limits, or None if it can."""
     kv_cache_config, num_usable_blocks = kv_cache_manager.kv_cache_config, kv_cache_manager.num_usable_blocks
     if request.num_tokens > max_model_len:
         return f"The prompt has {request.num_tokens} tokens, more than max_model_len={max_model_len}."
-    # Every group's table counts: a hybrid model adds a state block per state group.
-    num_blocks_needed = kv_cache_config.num_blocks_for(request.num_tokens)
+    # Every group's table counts: a hybrid model adds a state block per state
+    # group; a sliding window's group holds at most a window and one step's tokens.
+    num_blocks_needed = kv_cache_config.max_num_blocks(request.num_tokens, max_num_batched_tokens)
     if num_blocks_needed > num_usable_blocks:
         num_states = kv_cache_config.num_state_groups
         states = f", plus {num_states} state block(s), one per state group" if num_states else ""
