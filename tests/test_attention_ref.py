@@ -90,15 +90,21 @@ class Sequence:
     computed: int = 0
 
 
-def dense_reference(seq: Sequence, start: int, end: int, scale: float) -> torch.Tensor:
-    """Causal attention of query rows [start, end) over the whole sequence, float64."""
+def dense_reference(
+    seq: Sequence, start: int, end: int, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
+    """Causal attention of query rows [start, end) over the whole sequence, float64
+    (in a sliding window: over the last ``sliding_window`` keys of each query)."""
     group = seq.q.shape[1] // seq.k.shape[1]
     q = seq.q[start:end].double().transpose(0, 1)  # [Hq, n, D]
     k = seq.k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
     v = seq.v.double().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = q @ k.transpose(1, 2) * scale  # [Hq, n, L]
     query_pos = torch.arange(start, end)[:, None]
-    scores = scores.masked_fill(torch.arange(seq.q.shape[0])[None, :] > query_pos, float("-inf"))
+    key_pos = torch.arange(seq.q.shape[0])[None, :]
+    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    if sliding_window is not None:
+        scores = scores.masked_fill(key_pos <= query_pos - sliding_window, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1).float()  # [n, Hq, D]
 
 
@@ -158,16 +164,18 @@ def step_batch(seqs: list[Sequence], steps: list[tuple[int, int]]) -> StepBatch:
     return StepBatch(chosen, num_new, md, rows("q"), rows("k"), rows("v"))
 
 
-def run_step(seqs: list[Sequence], steps: list[tuple[int, int]], kv_cache: torch.Tensor) -> None:
+def run_step(
+    seqs: list[Sequence], steps: list[tuple[int, int]], kv_cache: torch.Tensor, sliding_window: int | None = None
+) -> None:
     """Schedule (request index, num_new) pairs as one batch and check every output row."""
     batch = step_batch(seqs, steps)
     chosen, num_new, md = batch.chosen, batch.num_new, batch.md
     scale = HEAD_DIM**-0.5
-    out = TorchRefAttentionImpl().forward(batch.q, batch.k, batch.v, kv_cache, md, scale)
+    out = TorchRefAttentionImpl().forward(batch.q, batch.k, batch.v, kv_cache, md, scale, sliding_window)
     assert not out.isnan().any()
     for row, (s, n) in enumerate(zip(chosen, num_new)):
         got = out[md.query_start_loc_cpu[row] : md.query_start_loc_cpu[row + 1]]
-        want = dense_reference(s, s.computed, s.computed + n, scale)
+        want = dense_reference(s, s.computed, s.computed + n, scale, sliding_window)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
         s.computed += n
 
@@ -178,27 +186,44 @@ def run_against_reference(
     steps: list[tuple[int, int]],
     caches: tuple[torch.Tensor, torch.Tensor],
     rounded_once: bool = False,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One batch through the reference (on caches[0]) and a fast backend (on
     caches[1]): outputs, written caches and the dense answer must all agree.
 
     ``rounded_once``: every row of this batch comes from a kernel that rounds once
-    (bf16), so each must also be the dense answer to half a bf16 step."""
+    (bf16), so each must also be the dense answer to half a bf16 step.
+    ``sliding_window``: every query reads only its last that many keys."""
     batch = step_batch(seqs, steps)
     chosen, num_new, md = batch.chosen, batch.num_new, batch.md
     scale = batch.q.shape[-1] ** -0.5
     tolerance = ATTENTION_TOLERANCE[batch.q.dtype]
-    ref = TorchRefAttentionImpl().forward(batch.q, batch.k, batch.v, caches[0], md, scale)
-    got = fast.forward(batch.q, batch.k, batch.v, caches[1], md, scale)
+    ref = TorchRefAttentionImpl().forward(batch.q, batch.k, batch.v, caches[0], md, scale, sliding_window)
+    got = fast.forward(batch.q, batch.k, batch.v, caches[1], md, scale, sliding_window)
     assert got.dtype == batch.q.dtype, f"{type(fast).__name__} gave {got.dtype} for {batch.q.dtype} inputs"
     torch.testing.assert_close(got, ref, **tolerance)
     torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)  # a copy: bit for bit
     for row, (s, n) in enumerate(zip(chosen, num_new)):
         rows = got[md.query_start_loc_cpu[row] : md.query_start_loc_cpu[row + 1]]
-        dense = dense_reference(s, s.computed, s.computed + n, scale)
+        dense = dense_reference(s, s.computed, s.computed + n, scale, sliding_window)
         torch.testing.assert_close(rows.float(), dense, **(ROUNDED_ONCE if rounded_once else tolerance))
         s.computed += n
     return got
+
+
+def forget_skipped_blocks(seqs: list[Sequence], sliding_window: int, foreign_block: int) -> None:
+    """Do what the scheduler does to a sliding window's table: the blocks no later
+    query reads are given back, here pointed at ``foreign_block`` (garbage that
+    would ruin any output reading it), as a block another request now holds."""
+    for seq in seqs:
+        num_skipped_blocks = max(seq.computed - sliding_window + 1, 0) // BLOCK_SIZE
+        seq.blocks[:num_skipped_blocks] = [foreign_block] * num_skipped_blocks
+
+
+# Sliding-window steps (request index, tokens) over prompts of 30, 21 and 9
+# tokens: prefills longer than the window, a chunk after a cached context, decodes
+# whose window has left earlier blocks behind, and a mixed batch.
+WINDOW_STEPS = [[(0, 17), (1, 21)], [(1, 1), (0, 13), (2, 9)], [(0, 1), (1, 1), (2, 1)], [(2, 1), (0, 1), (1, 1)]]
 
 
 @pytest.fixture(autouse=True)
@@ -260,3 +285,14 @@ def test_bind_kv_cache_in_layer_order() -> None:
     assert all(layer.kv_cache is cache for layer, cache in zip(model, caches))
     with pytest.raises(ValueError, match="3 Attention layers but 2"):
         bind_kv_cache(model, caches[:2])
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 8, 64])
+def test_sliding_window_reads_only_the_last_keys(sliding_window: int) -> None:
+    """Each query reads its last ``sliding_window`` keys (1: itself; 64: all), even
+    after the blocks before its window were handed to another request."""
+    seqs = make_sequences([33, 24, 12], num_heads=4, num_kv_heads=2)
+    cache = garbage_cache(2, num_blocks=NUM_BLOCKS + 1)  # block NUM_BLOCKS: another request's
+    for steps in WINDOW_STEPS:
+        run_step(seqs, steps, cache, sliding_window)
+        forget_skipped_blocks(seqs, sliding_window, foreign_block=NUM_BLOCKS)

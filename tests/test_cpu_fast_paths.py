@@ -42,7 +42,15 @@ from bf16_checks import (
     check_logprobs_close,
     engine_greedy_runs,
 )
-from test_attention_ref import ROUNDED_ONCE, garbage_cache, make_sequences, run_against_reference
+from test_attention_ref import (
+    NUM_BLOCKS,
+    ROUNDED_ONCE,
+    WINDOW_STEPS,
+    forget_skipped_blocks,
+    garbage_cache,
+    make_sequences,
+    run_against_reference,
+)
 from transformers import AutoConfig
 
 from nanoengine import _custom_ops
@@ -107,6 +115,33 @@ def test_chunked_prefill_and_mixed_batch_match_reference(dtype: torch.dtype) -> 
     run_against_reference(CPUAttentionImpl(), seqs, [(2, 1), (0, 6), (1, 4)], caches)
 
 
+@over_dtypes
+@pytest.mark.parametrize("head_dim", [64, 36])
+@pytest.mark.parametrize("sliding_window", [1, 5, 8, 64])
+def test_sliding_window_attention_matches_reference(head_dim: int, sliding_window: int, dtype: torch.dtype) -> None:
+    """Decode and tiled prefill (head_dim 64; 36 takes the reference's prefill) in a
+    sliding window give the reference's outputs, although the blocks before each
+    window point at another request's garbage: the kernels never read them."""
+    seqs = make_sequences([33, 24, 12], num_heads=4, num_kv_heads=2, head_dim=head_dim, dtype=dtype)
+    cache = garbage_cache(2, head_dim, dtype=dtype, num_blocks=NUM_BLOCKS + 1)
+    caches = (cache.clone(), cache.clone())
+    for steps in WINDOW_STEPS:
+        run_against_reference(CPUAttentionImpl(), seqs, steps, caches, sliding_window=sliding_window)
+        forget_skipped_blocks(seqs, sliding_window, foreign_block=NUM_BLOCKS)
+
+
+@over_dtypes
+def test_sliding_window_prefill_across_key_and_query_blocks(dtype: torch.dtype) -> None:
+    """A window of 150 over prompts longer than the prefill kernel's key and query
+    blocks (128 each): rows start their window mid-block, in different key blocks."""
+    seqs = make_sequences([321, 132], 9, 3, 64, dtype=dtype, num_blocks=120)
+    cache = garbage_cache(3, 64, dtype=dtype, num_blocks=121)
+    caches = (cache.clone(), cache.clone())
+    for steps in ([(0, 150)], [(0, 170), (1, 131)], [(0, 1), (1, 1)]):
+        run_against_reference(CPUAttentionImpl(), seqs, steps, caches, dtype == torch.bfloat16, sliding_window=150)
+        forget_skipped_blocks(seqs, 150, foreign_block=120)
+
+
 # 1, 3 and 9 query heads per KV head (GQA), as the kernels group query heads by KV head.
 HEAD_GROUPS = [(4, 4), (9, 3), (9, 1)]
 
@@ -169,7 +204,7 @@ def test_decode_kernel_specialised_head_sizes(
     table = torch.randperm(num_blocks - 1)[: 5 * 13].view(5, 13).int() + 1
     query = torch.randn(5, num_heads, head_dim).to(dtype)
     out = torch.empty_like(query)
-    load_cpu_ops().paged_decode_attention(out, query, cache[0], cache[1], table, seq_lens, head_dim**-0.5)
+    load_cpu_ops().paged_decode_attention(out, query, cache[0], cache[1], table, seq_lens, head_dim**-0.5, 0)
     for b, length in enumerate(seq_lens.tolist()):
         keys = gather_kv(cache[0], table[b])[:length].float()  # [len, Hkv, D]
         values = gather_kv(cache[1], table[b])[:length].float()

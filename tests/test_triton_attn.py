@@ -14,7 +14,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
-from test_attention_ref import garbage_cache, make_sequences, run_against_reference
+from test_attention_ref import (
+    NUM_BLOCKS,
+    WINDOW_STEPS,
+    forget_skipped_blocks,
+    garbage_cache,
+    make_sequences,
+    run_against_reference,
+)
 
 from nanoengine.attention.backends.triton_attn import TritonAttentionImpl, token_to_request
 from nanoengine.attention.backends.triton_kernels import paged_attention, reshape_and_cache
@@ -47,6 +54,17 @@ def test_chunked_prefill_and_mixed_batch_match_reference() -> None:
     run_both(seqs, [(0, 3)], caches)  # first chunk, ends mid-block
     run_both(seqs, [(0, 6), (1, 4)], caches)  # second chunk over cached blocks + a prompt
     run_both(seqs, [(0, 1), (1, 1)], caches)  # decodes crossing into a new block
+
+
+@pytest.mark.parametrize("sliding_window", [1, 8])
+def test_sliding_window_matches_reference(sliding_window: int) -> None:
+    """The blocks before each window point at garbage: the kernel starts at the window's block."""
+    seqs = make_sequences([33, 24, 12], num_heads=4, num_kv_heads=2)
+    cache = garbage_cache(2, num_blocks=NUM_BLOCKS + 1)
+    caches = (cache.clone(), cache.clone())
+    for steps in WINDOW_STEPS:
+        run_against_reference(TritonAttentionImpl(), seqs, steps, caches, sliding_window=sliding_window)
+        forget_skipped_blocks(seqs, sliding_window, foreign_block=NUM_BLOCKS)
 
 
 def test_padding_rows_write_nothing_and_return_zero() -> None:

@@ -27,7 +27,8 @@ class AttentionImpl(Protocol):
     """What a backend provides: write this step's K/V, then attend.
 
     Shapes: query [T, Hq, D]; key/value [T, Hkv, D]; kv_cache
-    [2, num_blocks, block_size, Hkv, D]; returns [T, Hq, D].
+    [2, num_blocks, block_size, Hkv, D]; returns [T, Hq, D]. ``sliding_window``:
+    how many keys back each query reads, itself included (None: every key).
     """
 
     def forward(
@@ -38,6 +39,7 @@ class AttentionImpl(Protocol):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -51,6 +53,7 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int | None = None,
         impl: AttentionImpl | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -62,6 +65,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # A local layer (Mistral, Gemma 3) reads only its last sliding_window keys;
+        # its KV cache group gives back the blocks before them (chapter 4).
+        self.sliding_window = sliding_window
         # The backend is swappable per layer (e.g. a Triton kernel on CUDA): the
         # model code above never changes, only who does the arithmetic.
         self.impl: AttentionImpl = impl if impl is not None else TorchRefAttentionImpl()
@@ -96,11 +102,13 @@ class Attention(nn.Module):
             self.kv_cache,
             attn_metadata,
             self.scale,
+            self.sliding_window,
         )
         return out.flatten(-2)
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+        window = f", sliding_window={self.sliding_window}" if self.sliding_window is not None else ""
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{window}"
 
 
 def set_attention_impl(model: nn.Module, impl: AttentionImpl) -> int:

@@ -48,3 +48,8 @@ class AttentionMetadata:
     # recurrent state at slot state_indices[g, i] of its state tensors. None for
     # models without such layers. [num_state_groups, num_reqs] int64, on device.
     state_indices: torch.Tensor | None = None
+
+
+def kernel_window(sliding_window: int | None) -> int:
+    """A sliding window as the C++ and Triton kernels take it: a plain integer, 0 for "no window"."""
+    return 0 if sliding_window is None else sliding_window

@@ -7,7 +7,8 @@ vLLM 0.32 counterpart: ``vllm/v1/attention/backends/cpu_attn.py``
 (``CPUAttentionBackendImpl``), whose kernels live in vLLM's ``csrc/cpu/``.
 
 It is the torch reference backend (``torch_ref.py``) with three steps swapped for
-C++ (``nanoengine/csrc/cpu/``, loaded by ``_custom_ops.py``):
+C++ (``nanoengine/csrc/cpu/``, loaded by ``_custom_ops.py``); the two attention
+kernels take a sliding window too (chapter 4), and never read the keys before it:
 
 * the K/V write becomes one ``memcpy`` per token row (``reshape_and_cache``),
   instead of two ``index_copy_`` calls and their dispatch overhead;
@@ -32,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from nanoengine._custom_ops import load_cpu_ops
-from nanoengine.attention.backends.abstract import AttentionMetadata
+from nanoengine.attention.backends.abstract import AttentionMetadata, kernel_window
 from nanoengine.attention.backends.torch_ref import TorchRefAttentionImpl
 
 
@@ -49,14 +50,24 @@ class CPUAttentionImpl(TorchRefAttentionImpl):
         self.kernels.reshape_and_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping)
 
     def _decode_batch(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """query [num_decodes, Hq, D] -> [num_decodes, Hq, D], no gathered copy."""
+        """query [num_decodes, Hq, D] -> [num_decodes, Hq, D], no gathered copy.
+
+        A sliding window's blocks before it are not even read (the kernel
+        starts at its first key), so its decode costs a window, not a history.
+        """
         query = query.contiguous()  # a strided view of the qkv projection otherwise
         out = torch.empty_like(query)
         num_decodes = query.shape[0]
         self.kernels.paged_decode_attention(
-            out, query, kv_cache[0], kv_cache[1], md.block_table, md.seq_lens[:num_decodes], scale
+            out, query, kv_cache[0], kv_cache[1], md.block_table, md.seq_lens[:num_decodes], scale,
+            kernel_window(sliding_window),
         )
         return out
 
@@ -67,10 +78,11 @@ class CPUAttentionImpl(TorchRefAttentionImpl):
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> None:
         """Every prefill request's rows of ``output`` [T, Hq, D], in one kernel call."""
         if not self.kernels.paged_prefill_supports(query.shape[-1]):
-            super()._prefill_batch(output, query, kv_cache, md, scale)
+            super()._prefill_batch(output, query, kv_cache, md, scale, sliding_window)
             return
         self.kernels.paged_prefill_attention(
             output,
@@ -82,4 +94,5 @@ class CPUAttentionImpl(TorchRefAttentionImpl):
             md.seq_lens,
             md.num_decodes,
             scale,
+            kernel_window(sliding_window),
         )

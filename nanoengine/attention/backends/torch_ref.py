@@ -19,6 +19,12 @@ longest ``seq_len``, masked beyond each request's own); prefills run one request
 at a time with a causal mask shifted by the tokens already in the cache, which is
 what makes chunked prefill and prefix-cache hits correct.
 
+A sliding-window layer (chapter 4) passes ``sliding_window``: the query at
+position ``p`` then reads only keys ``p - sliding_window + 1 .. p``, itself
+included, as HF transformers and vLLM count it. The reference still gathers
+every block of the table and masks the keys outside the window; entries the
+scheduler gave back are stale or the null block, always finite, and masked.
+
 Padding positions of the decode batch hold stale K/V of other requests (or the
 zeros of a never-written slot). The mask gives them softmax weight exactly 0, which
 is enough because every slot is *finite*: the model runner allocates the cache
@@ -78,10 +84,13 @@ class TorchRefAttentionImpl:
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """query [T, Hq, D]; key/value [T, Hkv, D]; returns [T, Hq, D].
 
         Rows past ``num_actual_tokens`` (padding a runner may add) come back zero.
+        ``sliding_window``: how many keys back a query reads, itself included
+        (None: all of them).
         """
         n = attn_metadata.num_actual_tokens
         self._write(key[:n], value[:n], kv_cache, attn_metadata.slot_mapping[:n])
@@ -89,15 +98,17 @@ class TorchRefAttentionImpl:
         if num_decodes == attn_metadata.num_reqs == query.shape[0]:
             # A pure decode batch with no padding, the common step: no output
             # buffer to zero and copy into.
-            return self._decode_batch(query, kv_cache, attn_metadata, scale)
+            return self._decode_batch(query, kv_cache, attn_metadata, scale, sliding_window)
         # Dense [T, Hq, D] (query is usually a strided view of the qkv output):
         # a kernel may write its rows through plain offsets.
         output = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
         if num_decodes > 0:
             # Decodes come first and own exactly one row each: rows 0 .. num_decodes-1.
-            output[:num_decodes] = self._decode_batch(query[:num_decodes], kv_cache, attn_metadata, scale)
+            output[:num_decodes] = self._decode_batch(
+                query[:num_decodes], kv_cache, attn_metadata, scale, sliding_window
+            )
         if num_decodes < attn_metadata.num_reqs:
-            self._prefill_batch(output, query, kv_cache, attn_metadata, scale)
+            self._prefill_batch(output, query, kv_cache, attn_metadata, scale, sliding_window)
         return output
 
     def _write(
@@ -107,7 +118,12 @@ class TorchRefAttentionImpl:
         write_to_kv_cache(key, value, kv_cache, slot_mapping)
 
     def _decode_batch(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """All decode requests in one SDPA call. query [num_decodes, Hq, D]."""
         num_decodes = query.shape[0]
@@ -120,7 +136,11 @@ class TorchRefAttentionImpl:
         keys = gather_kv(kv_cache[0], block_ids)[:, :max_len]
         values = gather_kv(kv_cache[1], block_ids)[:, :max_len]
         # [num_decodes, max_len] True where the position really holds this request's K/V
-        valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
+        key_pos = torch.arange(max_len, device=query.device)[None, :]
+        valid = key_pos < seq_lens[:, None]
+        if sliding_window is not None:
+            # The query sits at seq_len - 1 and reads back sliding_window keys, itself included.
+            valid &= key_pos >= seq_lens[:, None] - sliding_window
         out = F.scaled_dot_product_attention(
             query[:, :, None, :],  # [num_decodes, Hq, 1, D]
             keys.transpose(1, 2),  # [num_decodes, Hkv, max_len, D]
@@ -138,15 +158,22 @@ class TorchRefAttentionImpl:
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> None:
         """Fill the rows of every prefill request (those after the decodes) of ``output``."""
         qsl = md.query_start_loc_cpu
         for i in range(md.num_decodes, md.num_reqs):
             start, end = qsl[i], qsl[i + 1]
-            output[start:end] = self._prefill_one(query[start:end], kv_cache, md, i, scale)
+            output[start:end] = self._prefill_one(query[start:end], kv_cache, md, i, scale, sliding_window)
 
     def _prefill_one(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, req: int, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        req: int,
+        scale: float,
+        sliding_window: int | None,
     ) -> torch.Tensor:
         """One prefill (or chunk) of request ``req``. query [q_len, Hq, D]."""
         q_len = query.shape[0]
@@ -157,14 +184,17 @@ class TorchRefAttentionImpl:
         # [seq_len, Hkv, D]; every position here was written, this step or before
         keys = gather_kv(kv_cache[0], block_ids)[:seq_len]
         values = gather_kv(kv_cache[1], block_ids)[:seq_len]
-        if num_context == 0:
+        if num_context == 0 and sliding_window is None:
             # A fresh prompt: the usual square causal mask, which SDPA builds itself.
             mask = None
         else:
-            # Query j sits at position num_context + j and sees keys 0 .. that position.
+            # Query j sits at position num_context + j and sees keys 0 .. that position,
+            # or, in a sliding window, only the last sliding_window of them.
             query_pos = num_context + torch.arange(q_len, device=query.device)
             key_pos = torch.arange(seq_len, device=query.device)
             mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
+            if sliding_window is not None:
+                mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1)[None],  # [1, Hq, q_len, D]
             keys.transpose(0, 1)[None],  # [1, Hkv, seq_len, D]

@@ -44,6 +44,7 @@ class TritonAttentionImpl:
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """query [T, Hq, D]; key/value [T, Hkv, D]; returns [T, Hq, D].
 
@@ -66,4 +67,5 @@ class TritonAttentionImpl:
             attn_metadata.query_start_loc,
             token_to_req,
             scale,
+            sliding_window,
         )

@@ -40,6 +40,8 @@ if not torch.cuda.is_available():
 import triton
 import triton.language as tl
 
+from nanoengine.attention.backends.abstract import kernel_window
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
@@ -118,6 +120,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     token_to_req_ptr,
     scale,
+    sliding_window,  # keys a query reads back, itself included; 0: all of them
     stride_q_token,
     stride_q_head,
     stride_o_token,
@@ -140,6 +143,9 @@ def _paged_attention_kernel(
     # The request's last query sits at position seq_len - 1, so this one sits
     # (query_end - 1 - token) positions earlier and sees keys 0 .. position.
     num_keys = seq_len - (query_end - token) + 1
+    # In a sliding window (chapter 4) the first key read is num_keys - sliding_window;
+    # the loop starts at its block, so the blocks before it are never loaded.
+    first_key = tl.where(sliding_window > 0, tl.maximum(num_keys - sliding_window, 0), 0)
     kv_head = head // QUERIES_PER_KV
 
     dims = tl.arange(0, HEAD_DIM_P)
@@ -153,9 +159,10 @@ def _paged_attention_kernel(
     running_max = tl.max(tl.full([BLOCK_P], float("-inf"), tl.float32), axis=0)
     running_sum = tl.sum(tl.zeros([BLOCK_P], tl.float32), axis=0)
     acc = tl.zeros([HEAD_DIM_P], tl.float32)
-    for block_start in range(0, num_keys, BLOCK_SIZE):
+    for block_start in range((first_key // BLOCK_SIZE) * BLOCK_SIZE, num_keys, BLOCK_SIZE):
         block_id = tl.load(block_table_ptr + req * stride_block_table_row + block_start // BLOCK_SIZE)
-        key_mask = (slots < BLOCK_SIZE) & (block_start + slots < num_keys)  # [BLOCK_P]
+        key_pos = block_start + slots
+        key_mask = (slots < BLOCK_SIZE) & (key_pos >= first_key) & (key_pos < num_keys)  # [BLOCK_P]
         # [BLOCK_P, HEAD_DIM_P] offsets of this block's K/V rows for our KV head
         offsets = (
             block_id.to(tl.int64) * stride_cache_block
@@ -168,7 +175,7 @@ def _paged_attention_kernel(
         scores = tl.sum(keys * query[None, :], axis=1) * scale  # [BLOCK_P]
         scores = tl.where(key_mask, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=0))
-        # The first block always holds key 0, so new_max is finite from here on.
+        # The first block always holds first_key, so new_max is finite from here on.
         probs = tl.exp(scores - new_max)
         rescale = tl.exp(running_max - new_max)
         values = tl.load(value_cache_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
@@ -192,8 +199,11 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     token_to_req: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of query [T, Hq, D] over the paged cache; returns [T, Hq, D].
+
+    ``sliding_window``: each query reads only its last that many keys (None: all).
 
     ``token_to_req`` [T] int32 names each query row's request; ``seq_lens``
     [num_reqs] and ``query_start_loc`` [num_reqs + 1] are per request. A row whose
@@ -215,6 +225,7 @@ def paged_attention(
         query_start_loc,
         token_to_req,
         scale,
+        kernel_window(sliding_window),
         query.stride(0),
         query.stride(1),
         out.stride(0),

@@ -181,10 +181,11 @@ void attend_heads(T* out, const T* q, int64_t head_dim, int64_t num_heads, const
 // [num_blocks, block_size, Hkv, D] (dense rows, see check_paged_cache), all
 // fp32 or all bf16; block_table
 // [>=B, max_blocks] int32; seq_lens [B] int32 (keys each query sees, its own
-// included).
+// included). sliding_window > 0: each query reads only its last
+// sliding_window keys (chapter 4), and the blocks before them are not touched.
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                             at::Tensor value_cache, at::Tensor block_table,
-                            at::Tensor seq_lens, double scale) {
+                            at::Tensor seq_lens, double scale, int64_t sliding_window) {
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
               "block_table must be int32 with contiguous rows");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt, "seq_lens must be int32");
@@ -212,9 +213,11 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
     // core's caches whole (load_request_blocks), then its heads are computed
     // KV head by KV head, the G query heads of a group reading that head's
     // slice of each row.
-    const std::vector<int64_t> cost(lens, lens + batch);
+    // Keys each query reads: all of them, or its window's.
+    std::vector<int64_t> cost(batch);
+    for (int64_t b = 0; b < batch; ++b) cost[b] = lens[b] - first_key_in_window(lens[b], sliding_window);
     run_longest_first(cost, [&](std::vector<float>& scores, int64_t b) {
-      const int64_t len = lens[b];
+      const int64_t first = first_key_in_window(lens[b], sliding_window), len = cost[b];
       scalar_t* o = o_all + b * num_heads * head_dim;
       if (len <= 0) {
         std::fill(o, o + num_heads * head_dim, scalar_t(0.f));
@@ -222,12 +225,14 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
       }
       scores.resize(len * group + head_dim);  // longest first: the first item sizes it once
       const int32_t* blocks = table + b * table_stride;
-      load_request_blocks(PagedRows<scalar_t>{kc, blocks, block_size, row_stride, block_stride, len},
-                          PagedRows<scalar_t>{vc, blocks, block_size, row_stride, block_stride, len});
+      load_request_blocks(PagedRows<scalar_t>{kc, blocks, block_size, row_stride, block_stride, len, first},
+                          PagedRows<scalar_t>{vc, blocks, block_size, row_stride, block_stride, len, first});
       for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
         const int64_t offset = (b * num_heads + kv_head * group) * head_dim;
-        const PagedRows<scalar_t> keys{kc + kv_head * head_dim, blocks, block_size, row_stride, block_stride, len};
-        const PagedRows<scalar_t> values{vc + kv_head * head_dim, blocks, block_size, row_stride, block_stride, len};
+        const scalar_t* k_head = kc + kv_head * head_dim;
+        const scalar_t* v_head = vc + kv_head * head_dim;
+        const PagedRows<scalar_t> keys{k_head, blocks, block_size, row_stride, block_stride, len, first};
+        const PagedRows<scalar_t> values{v_head, blocks, block_size, row_stride, block_stride, len, first};
         attend_heads(o_all + offset, q_all + offset, head_dim, group, keys, values, fscale, scores.data());
       }
     });

@@ -31,12 +31,12 @@ void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
                        at::Tensor value_cache, at::Tensor slot_mapping);
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                             at::Tensor value_cache, at::Tensor block_table,
-                            at::Tensor seq_lens, double scale);
+                            at::Tensor seq_lens, double scale, int64_t sliding_window);
 // Causal attention of a step's prefill requests (prefill_attention.cpp).
 bool paged_prefill_supports(int64_t head_dim);
 void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                              at::Tensor value_cache, at::Tensor block_table, at::Tensor query_start_loc,
-                             at::Tensor seq_lens, int64_t first_req, double scale);
+                             at::Tensor seq_lens, int64_t first_req, double scale, int64_t sliding_window);
 
 // Linear layers (gemm.cpp, and gemm_bf16.cpp for bf16 weights): pack a
 // [out, in] weight once, then multiply by it.

@@ -84,23 +84,54 @@ inline float exp_and_sum(float* p, int64_t len, float max_score) {
   return sum;
 }
 
-// One KV head's rows of one request, seen through its block table. T is the
+// One KV head's rows of one request, seen through its block table: rows
+// 0 .. len-1 are the tokens at positions first .. first+len-1. T is the
 // cache's element type: float, or BFloat16 (half the bytes to read).
 // block_stride is block_size * row_stride for a cache of its own; a hybrid
 // model's attention layer shares its pages with state layers, and there K and
 // V of one block lie side by side, so the next K block starts 2x further on.
+// first > 0 for a sliding window (chapter 4): the table's entries before it
+// may be the null block or a block another request holds now, never read.
 template <typename T>
 struct PagedRows {
   const T* base;  // this KV head's slice of token 0 of block 0
   const int32_t* blocks;
   int64_t block_size, row_stride, block_stride, len;
+  int64_t first = 0;
 };
 
-// Token t's row: block t / block_size of the table, row t % block_size in it.
+// Row t's data: the token at position first + t, in block position /
+// block_size of the table, row position % block_size of that block.
 template <typename T>
 inline const T* row_at(const PagedRows<T>& rows, int64_t t) {
-  return rows.base + static_cast<int64_t>(rows.blocks[t / rows.block_size]) * rows.block_stride +
-         (t % rows.block_size) * rows.row_stride;
+  const int64_t position = rows.first + t;
+  return rows.base + static_cast<int64_t>(rows.blocks[position / rows.block_size]) * rows.block_stride +
+         (position % rows.block_size) * rows.row_stride;
+}
+
+// Calls visit_run(t, block_id, offset, count) for runs of rows that lie in one
+// block: rows t .. t+count-1 are rows offset .. offset+count-1 of physical
+// block block_id.
+template <typename T, typename VisitRun>
+inline void for_each_block_run(const PagedRows<T>& rows, VisitRun visit_run) {
+  for (int64_t t = 0; t < rows.len;) {
+    const int64_t position = rows.first + t, offset = position % rows.block_size;
+    const int64_t count = std::min(rows.block_size - offset, rows.len - t);
+    visit_run(t, static_cast<int64_t>(rows.blocks[position / rows.block_size]), offset, count);
+    t += count;
+  }
+}
+
+// Row `offset` of physical block block_id.
+template <typename T>
+inline const T* block_row(const PagedRows<T>& rows, int64_t block_id, int64_t offset) {
+  return rows.base + block_id * rows.block_stride + offset * rows.row_stride;
+}
+
+// The decode query at position seq_len - 1 reads keys back to
+// seq_len - sliding_window (sliding_window <= 0: every key): the first one.
+inline int64_t first_key_in_window(int64_t seq_len, int64_t sliding_window) {
+  return sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
 }
 
 // The K (or V) half of a paged cache, [num_blocks, block_size, Hkv, D]: the
@@ -112,15 +143,13 @@ inline void check_paged_cache(const at::Tensor& t, at::ScalarType type, const ch
               name, " must be [num_blocks, block_size, heads, head_dim] with dense rows in each block");
 }
 
-// Calls visit(t, row) for t = 0 .. len-1 in order, where row points at token
-// t's row, block by block.
+// Calls visit(t, row) for t = 0 .. len-1 in order, where row points at row
+// t's data, block by block.
 template <typename T, typename Visit>
 inline void for_each_row(const PagedRows<T>& rows, Visit visit) {
-  for (int64_t i = 0; i * rows.block_size < rows.len; ++i) {
-    const T* block = rows.base + static_cast<int64_t>(rows.blocks[i]) * rows.block_stride;
-    const int64_t count = std::min(rows.block_size, rows.len - i * rows.block_size);
-    for (int64_t t = 0; t < count; ++t) visit(i * rows.block_size + t, block + t * rows.row_stride);
-  }
+  for_each_block_run(rows, [&](int64_t t, int64_t block_id, int64_t offset, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) visit(t + i, block_row(rows, block_id, offset + i));
+  });
 }
 
 // [anchor: load-request-blocks]
@@ -143,13 +172,13 @@ inline void load_request_blocks(const PagedRows<T>& keys, const PagedRows<T>& va
     std::memcpy(&word, reinterpret_cast<const char*>(block) + offset, sizeof(word));
     return word;
   };
-  for (int64_t i = 0; i * keys.block_size < keys.len; ++i) {
-    const int64_t rows = std::min(keys.block_size, keys.len - i * keys.block_size);
-    const int64_t bytes = rows * keys.row_stride * static_cast<int64_t>(sizeof(T));
-    const T* k = keys.base + static_cast<int64_t>(keys.blocks[i]) * keys.block_stride;
-    const T* v = values.base + static_cast<int64_t>(values.blocks[i]) * values.block_stride;
-    for (int64_t offset = 0; offset < bytes; offset += 64) sink ^= word_at(k, offset) ^ word_at(v, offset);
-  }
+  // K and V share the table and the layout, so one walk visits both.
+  for_each_block_run(keys, [&](int64_t, int64_t block_id, int64_t offset, int64_t count) {
+    const T* k = block_row(keys, block_id, offset);
+    const T* v = block_row(values, block_id, offset);
+    const int64_t bytes = count * keys.row_stride * static_cast<int64_t>(sizeof(T));
+    for (int64_t at = 0; at < bytes; at += 64) sink ^= word_at(k, at) ^ word_at(v, at);
+  });
   asm volatile("" : : "r"(sink));  // keeps the compiler from dropping the loads
 }
 // [/anchor: load-request-blocks]

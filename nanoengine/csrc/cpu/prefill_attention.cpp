@@ -29,6 +29,12 @@
 // version of this kernel held a tile's whole score row, up to 2,048 keys, and
 // streamed every key again for every tile of rows).
 //
+// A sliding-window layer (chapter 4) also gives each row a first key: the
+// query at position p reads keys p - sliding_window + 1 .. p. Key blocks wholly
+// before the first row's window are never loaded, rows whose window starts
+// after a key block skip it, and the leading keys of a block that fall before
+// a row's window are masked like the causal mask masks the trailing ones.
+//
 // A tile's rows are (token, head) pairs, token-major: a few consecutive tokens
 // x the G query heads that share one KV head, so one pass over that head's
 // keys serves them all. In bf16, K^T, V, scores and accumulators are fp32;
@@ -128,6 +134,7 @@ struct PrefillItem {
   int64_t first_head, group, num_heads, head_dim;
   int64_t first_token, num_tokens;
   int64_t num_context;  // the request's query token i sits at position num_context + i
+  int64_t sliding_window;  // keys a query reads back, itself included; <= 0: all
   PagedRows<T> keys, values;
 };
 
@@ -147,18 +154,20 @@ void load_key_block(float* kt, float* v, const PrefillItem<T>& item, int64_t fir
 }
 
 // [anchor: online-softmax]
-// Turns the scores of row r (keys_seen[r] of them visible) into this block's
-// softmax numerators in place, and updates the row's running max and sum;
-// rescale[r] is what the row's output so far must be multiplied by.
-inline void online_softmax(float* scores, int rows, const int64_t* keys_seen, int64_t tile_keys, float* row_max,
-                           float* row_sum, float* rescale) {
+// Turns the scores of row r (keys skip[r] .. keys_seen[r]-1 of the block
+// visible) into this block's softmax numerators in place, and updates the
+// row's running max and sum; rescale[r] is what the row's output so far must
+// be multiplied by. skip[r] is 0 but in a sliding window.
+inline void online_softmax(float* scores, int rows, const int64_t* skip, const int64_t* keys_seen,
+                           int64_t tile_keys, float* row_max, float* row_sum, float* rescale) {
   for (int r = 0; r < rows; ++r) {
     float* p = scores + r * kKeyBlock;
-    const float new_max = std::max(row_max[r], *std::max_element(p, p + keys_seen[r]));
+    const float new_max = std::max(row_max[r], *std::max_element(p + skip[r], p + keys_seen[r]));
     // The first block a row sees has nothing to rescale (its sum is still 0).
     rescale[r] = row_sum[r] == 0.f ? 0.f : std::exp(row_max[r] - new_max);
-    row_sum[r] = row_sum[r] * rescale[r] + exp_and_sum(p, keys_seen[r], new_max);
+    row_sum[r] = row_sum[r] * rescale[r] + exp_and_sum(p + skip[r], keys_seen[r] - skip[r], new_max);
     row_max[r] = new_max;
+    std::fill(p, p + skip[r], 0.f);                   // the window: earlier keys weigh nothing
     std::fill(p + keys_seen[r], p + tile_keys, 0.f);  // the causal mask: later keys weigh nothing
   }
 }
@@ -173,6 +182,8 @@ void prefill_work_item(const PrefillItem<T>& item, float scale, std::vector<floa
   auto token_of = [&](int64_t i) { return item.first_token + i / group; };
   auto head_of = [&](int64_t i) { return item.first_head + i % group; };
   auto keys_visible = [&](int64_t i) { return item.num_context + token_of(i) + 1; };
+  // ... and, in a sliding window, none before its window's first key.
+  auto first_visible = [&](int64_t i) { return first_key_in_window(keys_visible(i), item.sliding_window); };
   const int64_t last_key = keys_visible(total_rows - 1);
   // scratch: K^T block | V block | scores [kTileRows, kKeyBlock] | outputs O [rows, D] | max | sum.
   scratch.resize(2 * dim * kKeyBlock + kTileRows * kKeyBlock + total_rows * (dim + 2));
@@ -185,25 +196,34 @@ void prefill_work_item(const PrefillItem<T>& item, float scale, std::vector<floa
   std::fill(o, o + total_rows * dim, 0.f);
   std::fill(row_max, row_max + total_rows, -FLT_MAX);
   std::fill(row_sum, row_sum + total_rows, 0.f);
-  for (int64_t first_key = 0; first_key < last_key; first_key += kKeyBlock) {
+  // Row 0 reaches back furthest: no earlier key is read by any row.
+  for (int64_t first_key = first_visible(0); first_key < last_key; first_key += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, last_key - first_key);
     load_key_block(kt, v, item, first_key, n);
-    // Rows before this one see no key of the block (they end before it).
+    // Rows before this one see no key of the block (they end before it) ...
     const int64_t first_row = std::max<int64_t>(0, (first_key - item.num_context - item.first_token) * group);
-    for (int64_t first = first_row; first < total_rows; first += kTileRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, total_rows - first));
+    // ... nor do rows from this one on, whose window starts after the block.
+    const int64_t end_row =
+        item.sliding_window > 0
+            ? std::clamp<int64_t>((first_key + n + item.sliding_window - 1 - item.num_context - item.first_token) * group,
+                                  0, total_rows)
+            : total_rows;
+    for (int64_t first = first_row; first < end_row; first += kTileRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, end_row - first));
       const T* q_rows[kTileRows];
       int64_t keys_seen[kTileRows];  // of this block; >= 1 for every row from first_row on
+      int64_t skip[kTileRows];       // leading keys of this block before the row's window; < keys_seen
       float rescale[kTileRows];
       for (int r = 0; r < rows; ++r) {
         q_rows[r] = item.query + token_of(first + r) * item.query_row_stride + head_of(first + r) * dim;
         keys_seen[r] = std::min(n, keys_visible(first + r) - first_key);
+        skip[r] = std::max<int64_t>(0, first_visible(first + r) - first_key);
       }
       // Rows are token-major, so the tile's last row sees the most keys.
       const int64_t tile_keys = keys_seen[rows - 1];
       const int64_t padded_keys = (tile_keys + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
       kKernels<T>[rows - 1].scores(scores, kKeyBlock, q_rows, kt, kKeyBlock, dim, padded_keys, scale);
-      online_softmax(scores, rows, keys_seen, tile_keys, row_max + first, row_sum + first, rescale);
+      online_softmax(scores, rows, skip, keys_seen, tile_keys, row_max + first, row_sum + first, rescale);
       kKernels<T>[rows - 1].values(o + first * dim, scores, kKeyBlock, v, tile_keys, dim, rescale);
     }
   }
@@ -222,10 +242,11 @@ bool paged_prefill_supports(int64_t head_dim) { return head_dim > 0 && head_dim 
 // contiguous; requests first_req .. R-1 own rows query_start_loc[r] ..
 // query_start_loc[r+1]; seq_lens[r] counts their keys, this step's included
 // (already written to the cache). Rows of other requests are not touched.
-// query, out and the caches are all fp32 or all bf16.
+// query, out and the caches are all fp32 or all bf16. sliding_window > 0:
+// each query reads only its last sliding_window keys.
 void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                              at::Tensor value_cache, at::Tensor block_table, at::Tensor query_start_loc,
-                             at::Tensor seq_lens, int64_t first_req, double scale) {
+                             at::Tensor seq_lens, int64_t first_req, double scale, int64_t sliding_window) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [tokens, heads, head_dim] with dense heads");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
@@ -265,8 +286,10 @@ void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_ca
                                                 query.stride(0),
                                                 out.data_ptr<scalar_t>() + qsl[r] * num_heads * head_dim,
                                                 g * group, group, num_heads, head_dim, t, tokens,
-                                                seq_len - q_len, keys, values});
-          cost.push_back(tokens * (seq_len - q_len + t + tokens));
+                                                seq_len - q_len, sliding_window, keys, values});
+          // rows x keys they read: up to their position, or a window's worth more than the rows
+          const int64_t keys_read = seq_len - q_len + t + tokens;
+          cost.push_back(tokens * (sliding_window > 0 ? std::min(keys_read, sliding_window + tokens) : keys_read));
         }
       }
     }
