@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from nanoengine.transformers_utils.config import layer_types_of, sliding_window_of
+
 
 @dataclass
 class ModelConfig:
@@ -59,15 +61,24 @@ class ModelConfig:
 
     @property
     def layer_types(self) -> list[str]:
-        """Each layer's kind: "full_attention" everywhere, but in a hybrid model
-        (Qwen3.5), whose config lists "linear_attention" for its state layers."""
-        types = getattr(self.hf_text_config, "layer_types", None)
-        return list(types) if types else ["full_attention"] * self.num_layers
+        """Each layer's kind: "full_attention", "sliding_attention" (Mistral,
+        Gemma 3's local layers) or "linear_attention" (Qwen3.5's state layers)."""
+        return layer_types_of(self.hf_text_config)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """Keys a sliding-window layer reads back, itself included (None: the model has none)."""
+        return sliding_window_of(self.hf_text_config) if "sliding_attention" in self.layer_types else None
 
     @property
     def is_hybrid(self) -> bool:
         """Layers of more than one kind: the KV cache then has several groups (chapter 4)."""
         return len(set(self.layer_types)) > 1
+
+    @property
+    def has_state_layers(self) -> bool:
+        """Layers that keep a recurrent state rather than K and V (Qwen3.5's Gated DeltaNet)."""
+        return "linear_attention" in self.layer_types
 
     @property
     def num_kv_heads(self) -> int:

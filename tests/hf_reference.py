@@ -17,8 +17,9 @@ class HFGreedy:
     """Runs HF's own model code on the same weights, with its own KV cache, in ``dtype``
     (fp32 unless asked: the weights are cast as they load, as the engine casts them)."""
 
-    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, **config_overrides: object) -> None:
+        # config_overrides replace config.json values (e.g. sliding_window=None: full attention).
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **config_overrides)
         self.model.eval()
 
     @torch.inference_mode()

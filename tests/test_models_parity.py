@@ -162,7 +162,9 @@ def test_unsupported_architecture_is_named() -> None:
 
 
 def test_missing_safetensors_names_the_directory(tmp_path: Path) -> None:
-    CONFIGS["llama"].save_pretrained(tmp_path)
+    config = CONFIGS["llama"]
+    config.architectures = ["LlamaForCausalLM"]  # set by save_random_hf_model, which may not have run yet
+    config.save_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         get_model(str(tmp_path), AutoConfig.from_pretrained(tmp_path), torch.float32, torch.device("cpu"))
 

@@ -26,8 +26,10 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
+    MistralConfig,
     PretrainedConfig,
     Qwen2Config,
     Qwen3_5TextConfig,
@@ -42,6 +44,9 @@ TINY_QWEN3_5_LAYERS = {
     "qwen3_5": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
     "qwen3_5-alt": ["full_attention", "linear_attention", "full_attention", "linear_attention"],
 }
+# Sliding windows (chapter 4): small enough that the test prompts, and far
+# more the generated tokens, outgrow them many times over.
+TINY_SLIDING_WINDOW = 16
 # The grader's prompts use ids below this (chapters/grade_checks/common.py);
 # the test models' tokenizers have about as many tokens.
 TINY_VOCAB_SIZE = 320
@@ -70,6 +75,25 @@ def tiny_config(arch: str, vocab_size: int, tie: bool = True) -> PretrainedConfi
         return Qwen2Config(**common, rms_norm_eps=1e-6)
     if arch == "qwen3":
         return Qwen3Config(**common, head_dim=16, rms_norm_eps=1e-6)
+    if arch == "mistral-sliding":
+        # Mistral v0.1's shape of config: one window for every layer, no layer_types.
+        return MistralConfig(**common, sliding_window=TINY_SLIDING_WINDOW, rms_norm_eps=1e-5)
+    if arch == "qwen3-sliding":
+        # Qwen3's own interleave: layers from max_window_layers on are sliding.
+        return Qwen3Config(**common, head_dim=16, rms_norm_eps=1e-6, use_sliding_window=True,
+                           sliding_window=TINY_SLIDING_WINDOW, max_window_layers=1)
+    if arch == "gemma3":
+        # Three local layers to one global (the released models: five to one).
+        gemma = Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 4},
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            sliding_window=TINY_SLIDING_WINDOW,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            rms_norm_eps=1e-6,
+        )
+        gemma.architectures = ["Gemma3ForCausalLM"]
+        return gemma
     if arch in TINY_QWEN3_5_LAYERS:
         layers = TINY_QWEN3_5_LAYERS[arch]
         config = Qwen3_5TextConfig(
@@ -104,7 +128,7 @@ def write_random_model(path: Path, config: PretrainedConfig, seed: int = 0) -> P
     """Write config.json, seeded random weights and generation_config.json into ``path``."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    zero_centred_norms = config.model_type == "qwen3_5_text"
+    zero_centred_norms = config.model_type in ("qwen3_5_text", "gemma3_text")
     # Random init gives near-uniform logits; a larger scale makes greedy argmax
     # decisive, so the parity tests compare real decisions, not ties.
     with torch.no_grad():
@@ -112,7 +136,7 @@ def write_random_model(path: Path, config: PretrainedConfig, seed: int = 0) -> P
             if param.dim() == 2:
                 param.normal_(0.0, 0.2)
             elif zero_centred_norms and name.endswith("norm.weight") and ".linear_attn." not in name:
-                # Qwen3.5's norms scale by 1 + w and HF starts w at 0: draw it, so a
+                # Qwen3.5's and Gemma 3's norms scale by 1 + w and HF starts w at 0: draw it, so a
                 # dropped "1 +" would show in the parity tests.
                 param.normal_(0.0, 0.3)
     path.mkdir(parents=True, exist_ok=True)

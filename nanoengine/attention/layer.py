@@ -68,6 +68,9 @@ class Attention(nn.Module):
         # A local layer (Mistral, Gemma 3) reads only its last sliding_window keys;
         # its KV cache group gives back the blocks before them (chapter 4).
         self.sliding_window = sliding_window
+        # Which K/V group's block table this layer reads (AttentionMetadata.for_kv_group):
+        # 0 but in a model with several K/V groups, where binding the cache sets it.
+        self.kv_group_index = 0
         # The backend is swappable per layer (e.g. a Triton kernel on CUDA): the
         # model code above never changes, only who does the arithmetic.
         self.impl: AttentionImpl = impl if impl is not None else TorchRefAttentionImpl()
@@ -100,7 +103,7 @@ class Attention(nn.Module):
             key.unflatten(-1, (self.num_kv_heads, self.head_dim)),
             value.unflatten(-1, (self.num_kv_heads, self.head_dim)),
             self.kv_cache,
-            attn_metadata,
+            attn_metadata.for_kv_group(self.kv_group_index),
             self.scale,
             self.sliding_window,
         )

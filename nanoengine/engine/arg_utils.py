@@ -306,9 +306,13 @@ class EngineArgs:
         if self.kv_transfer_config is None:
             return None
         config = KVTransferConfig.from_dict(self.kv_transfer_config)
-        if model_config.is_hybrid:
+        if model_config.has_state_layers:
             raise ValueError(f"kv_transfer_config is not supported for the hybrid model {model_config.model}: "
                              "the connectors move full-attention K/V blocks, not linear-attention states.")
+        if model_config.sliding_window is not None:
+            raise ValueError(f"kv_transfer_config is not supported for {model_config.model}, whose layers use "
+                             f"sliding_window={model_config.sliding_window}: the connectors move every block of "
+                             "one full-attention table, and a sliding window gives its early blocks back.")
         if config.kv_connector == "SharedStorageConnector":
             if not enable_prefix_caching:
                 raise ValueError("kv_transfer_config: SharedStorageConnector needs enable_prefix_caching=True "
@@ -333,7 +337,7 @@ class EngineArgs:
         if self.async_scheduling:
             raise ValueError("speculative_config does not work with async_scheduling=True in nanoengine: "
                              "the drafts of one step are scheduled with the next.")
-        if model_config.is_hybrid:
+        if model_config.has_state_layers:
             raise ValueError(f"speculative_config is not supported for the hybrid model {model_config.model}: "
                              "its linear-attention state cannot be rolled back over rejected drafts.")
         if config.method == "draft_model":
@@ -348,8 +352,13 @@ def _check_draft_model(config: SpeculativeConfig, target: ModelConfig, tensor_pa
         raise ValueError("method='draft_model' works with tensor_parallel_size=1 only in nanoengine.")
     draft = dataclasses.replace(target, hf_config=get_hf_config(resolve_model_path(config.model, target.load_format)))
     get_model_class(draft.hf_config)  # an architecture nanoengine cannot run fails here, by name
-    if draft.is_hybrid:
-        raise ValueError(f"draft model {config.model!r} is a hybrid model; a draft must have full attention only.")
+    if set(draft.layer_types) != {"full_attention"}:
+        raise ValueError(f"draft model {config.model!r} has {sorted(set(draft.layer_types))} layers; "
+                         "a draft must have full attention only.")
+    if target.sliding_window is not None:
+        raise ValueError(f"method='draft_model' does not work with {target.model!r}, whose layers use "
+                         f"sliding_window={target.sliding_window}: the draft keeps its K/V in the target's "
+                         "blocks, and a sliding window gives early blocks back.")
     if draft.vocab_size != target.vocab_size:
         raise ValueError(
             f"draft model {config.model!r} has vocab_size={draft.vocab_size}, the target {target.model!r} has "
@@ -444,7 +453,7 @@ def resolve_prefix_caching(requested: bool, model_config: ModelConfig) -> bool:
     hybrid models only in its "align" mode, which saves a state at every block
     boundary; nanoengine keeps one state per request (chapter 4).
     """
-    if requested and model_config.is_hybrid:
+    if requested and model_config.has_state_layers:
         logger.info(
             "Prefix caching is off for %s: it is a hybrid model, and its linear-attention layers keep "
             "one recurrent state per request, not one per block (vLLM's 'align' mode).",

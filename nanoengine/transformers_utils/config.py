@@ -205,6 +205,35 @@ def trained_context_len(hf_config: PretrainedConfig) -> int:
     return int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
 
 
+def sliding_window_of(hf_text_config: PretrainedConfig) -> int | None:
+    """How many keys a sliding-window layer reads back, itself included (None: no such layer).
+
+    Mistral-style configs carry only ``sliding_window``, for every layer;
+    Gemma 3 and Qwen2/3 list each layer's kind in ``layer_types`` as well
+    (Qwen2/3 keep ``sliding_window`` set while ``use_sliding_window`` is off,
+    and then list no sliding layer).
+    """
+    window = getattr(hf_text_config, "sliding_window", None)
+    if window is None or getattr(hf_text_config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def layer_types_of(hf_text_config: PretrainedConfig) -> list[str]:
+    """Each layer's kind, as transformers 5 names them: "full_attention",
+    "sliding_attention" (chapter 4) or "linear_attention" (Qwen3.5's Gated DeltaNet).
+
+    A config with no ``layer_types`` has one kind throughout: sliding windows
+    if it sets a window (Mistral), full attention otherwise.
+    """
+    num_layers = int(hf_text_config.num_hidden_layers)
+    types = getattr(hf_text_config, "layer_types", None)
+    if types:
+        return list(types)
+    kind = "sliding_attention" if sliding_window_of(hf_text_config) is not None else "full_attention"
+    return [kind] * num_layers
+
+
 def get_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     """Load the fast (Rust ``tokenizers``) tokenizer of a resolved local directory.
 

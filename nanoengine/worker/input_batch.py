@@ -129,13 +129,14 @@ def build_block_table(states: list[CachedRequestState], kv_cache_group_id: int) 
 class LayerGroups:
     """Which KV cache groups a model's layers read (chapter 4: hybrid models).
 
-    ``attention``: the full-attention group, whose block tables and slot
-    mapping paged attention reads. ``states``: the state groups of a hybrid
-    model's linear-attention layers, in ``state_indices`` row order (none for
-    a model with full attention only).
+    ``attention``: the groups that keep K and V (full attention, sliding
+    windows), whose block tables and slot mappings paged attention reads, in
+    ``AttentionMetadata.for_kv_group`` order. ``states``: the state groups of a
+    hybrid model's linear-attention layers, in ``state_indices`` row order
+    (none for a model with attention only).
     """
 
-    attention: int = 0
+    attention: tuple[int, ...] = (0,)
     states: tuple[int, ...] = ()
 
 
@@ -169,8 +170,9 @@ def prepare_inputs(
     up to its own position: every K and V of the step is written before any
     is read, so this is exact, and the decode kernel (cheaper than the prefill
     kernel for so few queries) runs them with the plain decodes.
-    The block table and slot mapping come from the full-attention group
-    ``groups.attention``; a hybrid model's state layers get their slots from
+    The block tables and slot mappings come from the K/V groups
+    ``groups.attention`` (the first one's in ``block_table`` and
+    ``slot_mapping``); a hybrid model's state layers get their slots from
     ``groups.states``.
     """
     query_start_loc = [0]
@@ -202,14 +204,16 @@ def prepare_inputs(
             logits_indices.extend(range(last - len(drafts), last + 1))
             sampling_req_ids.append(state.req_id)
 
-    block_table = build_block_table(states, groups.attention)
     slots = state_slots(states, groups.states)
     positions_t = torch.tensor(positions, dtype=torch.int64)
-    slot_mapping = compute_slot_mapping(
-        block_table, torch.tensor(req_indices, dtype=torch.int64), positions_t, block_size
-    )
-    if len(query_rows) > len(states):  # verifications: one block-table row per query
-        block_table = block_table[torch.tensor(query_rows)]
+    req_indices_t = torch.tensor(req_indices, dtype=torch.int64)
+    block_tables, slot_mappings = [], []
+    for group in groups.attention:
+        table = build_block_table(states, group)
+        slot_mappings.append(compute_slot_mapping(table, req_indices_t, positions_t, block_size).to(device))
+        if len(query_rows) > len(states):  # verifications: one block-table row per query
+            table = table[torch.tensor(query_rows)]
+        block_tables.append(table.to(device))
     # Requests arrive decodes first, so the decodes are the leading run of one-token queries.
     query_lens = [end - begin for begin, end in itertools.pairwise(query_start_loc)]
     num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
@@ -219,11 +223,13 @@ def prepare_inputs(
         num_decodes=num_decodes,
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_table=block_table.to(device),
-        slot_mapping=slot_mapping.to(device),
+        block_table=block_tables[0],
+        slot_mapping=slot_mappings[0],
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
         state_indices=None if slots is None else slots.to(device),
+        kv_group_block_tables=tuple(block_tables) if len(block_tables) > 1 else (),
+        kv_group_slot_mappings=tuple(slot_mappings) if len(slot_mappings) > 1 else (),
     )
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),

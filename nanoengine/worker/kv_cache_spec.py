@@ -32,25 +32,38 @@ from transformers import PretrainedConfig
 from nanoengine.config import ModelConfig
 from nanoengine.distributed.parallel_state import get_tensor_model_parallel_world_size
 from nanoengine.distributed.utils import kv_heads_per_rank
-from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
+from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from nanoengine.model_executor.model_loader.loader import construct_model
 from nanoengine.model_executor.models.registry import get_model_class
 from nanoengine.worker.kv_cache_tensors import state_layers
+
+# The layer kinds that keep K and V in paged blocks (the others keep a state).
+KV_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def attention_spec(
     model_config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int | None = None
 ) -> FullAttentionSpec:
-    """The K/V layout of the full-attention layers (all of them, but in a hybrid
-    model) on one rank of ``tp_size`` (default: this process's tensor-parallel size)."""
+    """The K/V layout of the attention layers, full or sliding (all layers, but
+    in a model with state layers) on one rank of ``tp_size`` (default: this
+    process's tensor-parallel size).
+
+    A model whose every layer has the same window (Mistral) gets a
+    ``SlidingWindowSpec``: one group, whose manager gives back the blocks that
+    leave the window.
+    """
     tp_size = get_tensor_model_parallel_world_size() if tp_size is None else tp_size
-    return FullAttentionSpec(
+    spec = FullAttentionSpec(
         block_size=block_size,
         num_kv_heads=kv_heads_per_rank(model_config.num_kv_heads, tp_size),
         head_dim=model_config.head_dim,
         dtype_size=torch.tensor([], dtype=dtype).element_size(),
-        num_layers=model_config.layer_types.count("full_attention"),
+        num_layers=sum(kind in KV_LAYER_TYPES for kind in model_config.layer_types),
     )
+    window = model_config.sliding_window
+    if set(model_config.layer_types) == {"sliding_attention"} and window is not None:
+        return SlidingWindowSpec(**vars(spec), sliding_window=window)
+    return spec
 
 
 def kv_cache_spec(
@@ -58,11 +71,12 @@ def kv_cache_spec(
 ) -> FullAttentionSpec | dict[int, KVCacheSpec]:
     """What the KV cache of ``model`` is made of.
 
-    A plain model: one spec for all its layers. A hybrid model: one spec per
-    layer index, as vLLM's workers report it -- a ``FullAttentionSpec`` of one
-    layer, or a ``MambaSpec`` holding a state layer's state shapes, whose one
-    block stands for a whole request (``block_size`` = ``max_model_len``). The
-    engine core groups them (``core/kv_cache_groups.py``).
+    A plain model: one spec for all its layers (a ``SlidingWindowSpec`` if
+    every layer has the window). A hybrid model: one spec per layer index, as
+    vLLM's workers report it -- a ``FullAttentionSpec`` or ``SlidingWindowSpec``
+    of one layer, or a ``MambaSpec`` holding a state layer's state shapes, whose
+    one block stands for a whole request (``block_size`` = ``max_model_len``).
+    The engine core groups them (``core/kv_cache_groups.py``).
     """
     attention = attention_spec(model_config, block_size, dtype)
     if not model_config.is_hybrid:
@@ -73,6 +87,9 @@ def kv_cache_spec(
     for index, kind in enumerate(model_config.layer_types):
         if kind == "full_attention":
             specs[index] = one_layer
+        elif kind == "sliding_attention":
+            assert model_config.sliding_window is not None  # a sliding layer implies a window
+            specs[index] = SlidingWindowSpec(**vars(one_layer), sliding_window=model_config.sliding_window)
         else:
             shapes = next(states).get_state_shape()
             specs[index] = MambaSpec(shapes, attention.dtype_size, block_size=max_model_len)

@@ -121,7 +121,7 @@ def _typed_slice(pages: torch.Tensor, start: int, numel: int, dtype: torch.dtype
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:
-    """The model's full-attention layers, in layer order (what ``bind_kv_cache`` binds)."""
+    """The model's attention layers (full or sliding), in layer order (what ``bind_kv_cache`` binds)."""
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
@@ -168,28 +168,27 @@ def bind_shared_pages(
     groups = kv_cache_config.kv_cache_groups
     attention = kv_cache_config.attention_group_ids
     states = tuple(g for g, group in enumerate(groups) if isinstance(group.kv_cache_spec, MambaSpec))
-    if len(attention) != 1:
-        raise ValueError(
-            f"nanoengine runs hybrid models with one full-attention KV cache group; this model "
-            f"has {len(attention)}, of {[len(groups[g].layer_indices) for g in attention]} layers."
-        )
     buffers = [
         new_page_buffer(kv_cache_config.num_blocks, kv_cache_config.page_size_per_layer, device)
         for _ in range(kv_cache_config.num_shared_tensors)
     ]
     caches: dict[int, torch.Tensor] = {}
+    kv_group_of_layer: dict[int, int] = {}  # layer index -> position of its group in `attention`
     layer_states: dict[int, tuple[tuple[torch.Tensor, ...], int]] = {}
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
         for j, layer_index in enumerate(group.layer_indices):
-            if isinstance(spec, FullAttentionSpec):
+            if isinstance(spec, FullAttentionSpec):  # full attention or a sliding window
                 caches[layer_index] = attention_view(
                     buffers[j], spec.block_size, spec.num_kv_heads, spec.head_dim, dtype
                 )
+                kv_group_of_layer[layer_index] = attention.index(g)
             else:
                 layer_states[layer_index] = (state_views(buffers[j], spec.shapes, dtype), states.index(g))
     # Modules come in layer order; so do the sorted layer indices of each kind.
     bind_kv_cache(model, [caches[i] for i in sorted(caches)])
+    for layer, layer_index in zip(attention_layers(model), sorted(caches), strict=True):
+        layer.kv_group_index = kv_group_of_layer[layer_index]
     ordered = [layer_states[i] for i in sorted(layer_states)]
     bind_mamba_state(model, [(views[0], views[1]) for views, _ in ordered], [row for _, row in ordered])
-    return LayerGroups(attention=attention[0], states=states), buffers
+    return LayerGroups(attention=attention, states=states), buffers

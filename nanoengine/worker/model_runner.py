@@ -277,7 +277,7 @@ class ModelRunner:
             )
             next_block += num_blocks
         bind_kv_cache(module, self._allocate_kv_caches(next_block))
-        groups = LayerGroups(attention=0, states=(1,) if has_states else ())
+        groups = LayerGroups(attention=(0,), states=(1,) if has_states else ())
         if has_states:
             bind_mamba_state(
                 module, private_states(module, len(states), self.dtype, self.device), [0] * num_state_layers

@@ -14,7 +14,7 @@ as a uniform batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,6 +48,21 @@ class AttentionMetadata:
     # recurrent state at slot state_indices[g, i] of its state tensors. None for
     # models without such layers. [num_state_groups, num_reqs] int64, on device.
     state_indices: torch.Tensor | None = None
+    # Models with several K/V groups (chapter 4: Gemma 3's global and local
+    # layers): each K/V group's block table and slot mapping, in group order
+    # (block_table and slot_mapping above are the first group's). A request
+    # has one table per group, so a layer must read its own group's. Empty:
+    # the model has one K/V group.
+    kv_group_block_tables: tuple[torch.Tensor, ...] = ()
+    kv_group_slot_mappings: tuple[torch.Tensor, ...] = ()
+
+    def for_kv_group(self, index: int) -> AttentionMetadata:
+        """This step as the layers of K/V group ``index`` (0, 1, ...) see it: their group's tables."""
+        if index == 0:
+            return self
+        return replace(
+            self, block_table=self.kv_group_block_tables[index], slot_mapping=self.kv_group_slot_mappings[index]
+        )
 
 
 def kernel_window(sliding_window: int | None) -> int:

@@ -37,7 +37,7 @@ from nanoengine.model_executor.custom_op import CustomOp
 from nanoengine.transformers_utils.config import trained_context_len
 
 # rope_type values this module implements; "default" is plain RoPE.
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class RotaryEmbedding(CustomOp):
@@ -149,24 +149,29 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     )
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The RoPE settings of a config as one dict with ``rope_theta`` and ``rope_type``.
 
     transformers 5 keeps them in ``config.rope_parameters``; older configs have
     ``config.rope_theta`` plus an optional ``config.rope_scaling`` dict whose type
-    key may still be spelled ``"type"``.
+    key may still be spelled ``"type"``. A model whose layer kinds rotate
+    differently (Gemma 3: local layers at theta 10,000, global ones at
+    1,000,000) keeps one such dict per kind, under the ``layer_type`` names.
     """
     params = dict(
         getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     )
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
     return params
 
 
-def get_rope(head_dim: int, hf_config: Any) -> RotaryEmbedding:
-    """Build the RotaryEmbedding a config asks for; ValueError for unsupported kinds."""
-    params = rope_parameters(hf_config)
+def get_rope(head_dim: int, hf_config: Any, layer_type: str | None = None) -> RotaryEmbedding:
+    """Build the RotaryEmbedding a config asks for (for layers of ``layer_type``,
+    where the kinds differ); ValueError for unsupported kinds."""
+    params = rope_parameters(hf_config, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -178,4 +183,7 @@ def get_rope(head_dim: int, hf_config: Any) -> RotaryEmbedding:
     inv_freq = default_inv_freq(rotary_dim, float(params["rope_theta"]))
     if rope_type == "llama3":
         inv_freq = llama3_inv_freq(inv_freq, params)
+    elif rope_type == "linear":
+        # Positions stretched by the factor: every frequency divided by it.
+        inv_freq = inv_freq / float(params["factor"])
     return RotaryEmbedding(head_dim, inv_freq, trained_context_len(hf_config), rotary_dim)

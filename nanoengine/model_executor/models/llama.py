@@ -22,6 +22,11 @@ heads. Nothing between the two all-reduces of a layer talks to other ranks.
 
 Qwen2 and Qwen3 are Llama plus a few switches (``DecoderVariant``); their files
 only choose the switches.
+
+Sliding windows (chapter 4): a layer listed as "sliding_attention" in the
+config's ``layer_types`` (Qwen2/3 with ``use_sliding_window``), or every layer
+of a config that only sets ``sliding_window`` (Mistral), hands its window to
+its ``Attention``; the layer code is otherwise the same.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from nanoengine.model_executor.layers.linear import (
 from nanoengine.model_executor.layers.rotary_embedding import get_rope
 from nanoengine.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoengine.model_executor.models.utils import load_weight, name_list
+from nanoengine.transformers_utils.config import layer_types_of, sliding_window_of
 
 
 @dataclass(frozen=True)
@@ -69,29 +75,17 @@ def num_kv_heads_of(config: PretrainedConfig) -> int:
     return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
 
-def check_full_attention(config: PretrainedConfig) -> None:
-    """Refuse sliding-window attention: the paged backends here attend to every
-    cached token, which would silently differ from the model once a sequence
-    outgrows the window.
-    """
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        # transformers 5 lists the attention kind of every layer (Qwen2/3 do).
-        sliding = "sliding_attention" in layer_types
-    else:
-        # Older-style configs (Mistral) only carry the window size.
-        sliding = getattr(config, "sliding_window", None) is not None
-    if sliding:
-        raise ValueError(
-            f"Sliding-window attention (sliding_window={getattr(config, 'sliding_window', None)}) "
-            "is not supported by nanoengine; only full attention is."
-        )
+def layer_sliding_window(config: PretrainedConfig, layer_index: int) -> int | None:
+    """The window of layer ``layer_index`` (None: it attends to every key)."""
+    if layer_types_of(config)[layer_index] != "sliding_attention":
+        return None
+    return sliding_window_of(config)
 
 
 class LlamaAttention(nn.Module):
     """qkv projection -> (q/k norm) -> RoPE -> paged attention -> output projection."""
 
-    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant, layer_index: int) -> None:
         super().__init__()
         hidden_size = config.hidden_size
         self.head_dim = head_dim_of(config)
@@ -109,7 +103,13 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.rotary_emb = get_rope(self.head_dim, config)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            sliding_window=layer_sliding_window(config, layer_index),
+        )
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata | None
@@ -143,9 +143,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm transformer block: norm -> attention -> norm -> MLP, residual around each."""
 
-    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant, layer_index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, variant)
+        self.self_attn = LlamaAttention(config, variant, layer_index)
         self.mlp = LlamaMLP(config, variant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -178,7 +178,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, variant) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, variant, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -238,7 +238,6 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, hf_config: PretrainedConfig) -> None:
         super().__init__()
-        check_full_attention(hf_config)
         check_tensor_parallel_size(hf_config, get_tensor_model_parallel_world_size())
         self.config = hf_config
         self.model = LlamaModel(hf_config, self.decoder_variant(hf_config))
@@ -258,40 +257,50 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named checkpoint tensors into this model; returns the parameter names filled.
+        """Copy HF-named checkpoint tensors into this model (``load_stacked_weights``)."""
+        return load_stacked_weights(self, self.model.embed_tokens, self.lm_head, weights)
 
-        Fused layers receive each projection as a shard; parallel layers copy
-        this rank's slice of each tensor (``models/utils.load_weight``). A tied LM head shares the
-        embedding's parameter, so a checkpoint ``lm_head.weight`` is then redundant;
-        a checkpoint *without* one (tied weights saved once) gets the head tied here.
-        Raises ValueError naming any checkpoint tensor with no home, or any
-        parameter the checkpoint did not provide.
-        """
-        # Shared parameters appear once, under their first name: a tied head's
-        # weight is listed as model.embed_tokens.weight only.
-        params = dict(self.named_parameters())
-        seen: set[str] = set()  # checkpoint names consumed
-        unknown: list[str] = []
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue  # recomputed from the config, see rotary_embedding.py
-            model_name, shard_id = to_model_name(name)
-            if model_name not in params:
-                if name != "lm_head.weight":  # a redundant copy of a tied head is fine
-                    unknown.append(name)
-                continue
-            load_weight(self, model_name, params[model_name], tensor, shard_id, name)
-            seen.add(name)
-        if unknown:
-            raise ValueError(
-                f"{type(self).__name__} has no parameter for checkpoint weights {name_list(unknown)}."
-            )
 
-        missing = {ckpt for model_name in params for ckpt in to_checkpoint_names(model_name)} - seen
-        if "lm_head.weight" in missing and "model.embed_tokens.weight" in seen:
-            # No separate head in the checkpoint: the model was saved with tied weights.
-            self.lm_head.tie_to(self.model.embed_tokens)
-            missing.discard("lm_head.weight")
-        if missing:
-            raise ValueError(f"The checkpoint lacks weights {name_list(missing)} for {type(self).__name__}.")
-        return {to_model_name(name)[0] for name in seen}
+def load_stacked_weights(
+    model: nn.Module,
+    embed_tokens: VocabParallelEmbedding,
+    lm_head: ParallelLMHead,
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> set[str]:
+    """Copy HF-named checkpoint tensors into ``model``; returns the parameter names filled.
+
+    Fused layers receive each projection as a shard (``STACKED_PARAMS``);
+    parallel layers copy this rank's slice of each tensor
+    (``models/utils.load_weight``). A tied LM head shares the embedding's
+    parameter, so a checkpoint ``lm_head.weight`` is then redundant; a
+    checkpoint *without* one (tied weights saved once) gets the head tied here.
+    Raises ValueError naming any checkpoint tensor with no home, or any
+    parameter the checkpoint did not provide. Llama, Qwen2/3 and Gemma 3 name
+    their checkpoints this way.
+    """
+    # Shared parameters appear once, under their first name: a tied head's
+    # weight is listed as model.embed_tokens.weight only.
+    params = dict(model.named_parameters())
+    seen: set[str] = set()  # checkpoint names consumed
+    unknown: list[str] = []
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name:
+            continue  # recomputed from the config, see rotary_embedding.py
+        model_name, shard_id = to_model_name(name)
+        if model_name not in params:
+            if name != "lm_head.weight":  # a redundant copy of a tied head is fine
+                unknown.append(name)
+            continue
+        load_weight(model, model_name, params[model_name], tensor, shard_id, name)
+        seen.add(name)
+    if unknown:
+        raise ValueError(f"{type(model).__name__} has no parameter for checkpoint weights {name_list(unknown)}.")
+
+    missing = {ckpt for model_name in params for ckpt in to_checkpoint_names(model_name)} - seen
+    if "lm_head.weight" in missing and "model.embed_tokens.weight" in seen:
+        # No separate head in the checkpoint: the model was saved with tied weights.
+        lm_head.tie_to(embed_tokens)
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"The checkpoint lacks weights {name_list(missing)} for {type(model).__name__}.")
+    return {to_model_name(name)[0] for name in seen}

@@ -44,6 +44,7 @@ from nanoengine.attention.backends.abstract import AttentionMetadata
 from nanoengine.attention.layer import Attention
 from nanoengine.distributed.parallel_state import get_tensor_model_parallel_world_size
 from nanoengine.distributed.utils import check_tensor_parallel_size
+from nanoengine.model_executor.layers.layernorm import GemmaRMSNorm
 from nanoengine.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -61,38 +62,6 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 # LlamaMLP reads only mlp_bias: Qwen3.5's MLP is Llama's, without biases.
 _MLP_VARIANT = DecoderVariant(qkv_bias=False, o_proj_bias=False, mlp_bias=False, qk_norm=False)
-
-
-class GemmaRMSNorm(nn.Module):
-    """Zero-centred RMSNorm: ``x / sqrt(mean(x^2) + eps) * (1 + weight)``.
-
-    vLLM's ``GemmaRMSNorm`` (``layers/layernorm.py``), HF's ``Qwen3_5RMSNorm``.
-    Unlike ``RMSNorm`` it multiplies in fp32 and rounds once at the end (HF's
-    order), so it is its own module rather than ``RMSNorm`` with 1 + w stored:
-    that would round 1 + w to bf16 and the product twice. Plain torch only
-    (not a ``CustomOp``): the C++ norm kernels scale by w itself.
-    """
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [..., hidden] -> [..., hidden]; statistics and scale in fp32.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.variance_epsilon)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
-
-    def forward_with_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the residual hand-off of ``RMSNorm``."""
-        new_residual = x + residual
-        return self.forward(new_residual), new_residual
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
 
 
 class Qwen3NextAttention(nn.Module):

@@ -17,6 +17,7 @@ import torch
 from transformers import PretrainedConfig
 
 from nanoengine.attention.backends.abstract import AttentionMetadata
+from nanoengine.model_executor.models.gemma3 import Gemma3ForCausalLM
 from nanoengine.model_executor.models.llama import LlamaForCausalLM
 from nanoengine.model_executor.models.qwen2 import Qwen2ForCausalLM
 from nanoengine.model_executor.models.qwen3 import Qwen3ForCausalLM
@@ -49,9 +50,11 @@ class CausalLM(Protocol):
 
 
 _MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    # Gemma 3's text model: five sliding-window layers to one global (chapter 4).
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
-    # Mistral is Llama's architecture with different sizes; configs that still
-    # enable its sliding window (v0.1) are refused by check_full_attention.
+    # Mistral is Llama's architecture with different sizes; a config that sets
+    # sliding_window (v0.1) gives every layer that window (chapter 4).
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

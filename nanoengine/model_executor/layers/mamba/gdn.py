@@ -39,7 +39,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoengine.attention.backends.abstract import AttentionMetadata
-from nanoengine.model_executor.layers.activation import SUPPORTED_HIDDEN_ACT
 from nanoengine.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from nanoengine.model_executor.layers.mamba.ops import (
     causal_conv1d,
@@ -102,7 +101,7 @@ class GatedDeltaNetAttention(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        if config.hidden_act != SUPPORTED_HIDDEN_ACT:
+        if config.hidden_act != "silu":
             raise ValueError(
                 f"Gated DeltaNet's convolution uses SiLU; the config asks for {config.hidden_act!r}."
             )
