@@ -1,6 +1,6 @@
 """Chapter 4 -- the KV cache manager: paged blocks, prefix caching, eviction, preemption, hybrid groups.
 
-Four experiments on live engines, read off the step tracer and the pool:
+Five experiments on live engines, read off the step tracer and the pool:
 
 1. a shared system prompt: two requests' block tables point at the same
    blocks (``ref_cnt`` 2), and later requests hit the prefix cache;
@@ -13,7 +13,11 @@ Four experiments on live engines, read off the step tracer and the pool:
    page-size arithmetic that lets its KV cache groups share one pool, then one
    request step by step -- its attention table grows with the sequence, each
    state group keeps one block, and every block comes back at the end
-   (``chapters/ch04_groups.py``, which also prints every group's block table).
+   (``chapters/ch04_groups.py``, which also prints every group's block table);
+5. a sliding window (a tiny random Gemma 3: local layers of 16 tokens, one
+   global layer): the local layers' blocks before the window go back to the
+   pool as the request grows, the null block in their place, and a prefix hit
+   on them needs only the window's blocks (``chapters/ch04_sliding.py``).
 
     python -m chapters.ch04_kv_cache [--model DIR] [--block-size N] [--num-blocks N]
                                      [--max-num-batched-tokens N] [--timeline PATH]
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from chapters._common import base_parser, console
 from chapters.ch03_scheduler import token_ids
 from chapters.ch04_groups import HYBRID_MODEL, HybridRun, block_table, hybrid_run
+from chapters.ch04_sliding import SlidingRun, sliding_run
 from nanoengine import LLM, SamplingParams
 from nanoengine.instruments.trace import save_timeline, trace_table
 from nanoengine.renderers.hf import TokensPrompt
@@ -50,6 +55,7 @@ class Ch04Result:
     rerun_hit_tokens: int  # experiment 3: the first request's rerun still hits its prefix
     timeline_paths: list[str]
     hybrid: HybridRun | None  # experiment 4 (None: skipped with --hybrid-model none)
+    sliding: SlidingRun  # experiment 5
 
 
 def shared_system_prompt(args: argparse.Namespace, bs: int) -> tuple[list[int], float]:
@@ -188,6 +194,7 @@ def main(argv: list[str] | None = None) -> Ch04Result:
         rerun_hit,
         paths,
         hybrid,
+        sliding_run(),
     )
 
 

@@ -47,6 +47,18 @@ def test_ch04_sharing_preemption_lru_and_hybrid(
     assert result.hybrid is not None and result.hybrid.block_size == 16
     assert [len(step.state_block_ids) for step in result.hybrid.steps] == [3] * len(result.hybrid.steps)
     assert result.hybrid.num_free_blocks_after == result.hybrid.num_usable_blocks
+    # Experiment 5, the facts ch04.md's sliding-window section states: a full group and three sliding
+    # ones; a decode step's sliding table holds at most window / block_size + 1 = 5 real blocks, a
+    # 16-token chunk's cdiv(15 + 16, 4) + 1 = 9; the hit of 36 tokens takes 9 full blocks and, in
+    # each sliding group, only the cdiv(15, 4) = 4 blocks before its end.
+    sliding = result.sliding
+    assert sliding.group_kinds == ["full", "sliding", "sliding", "sliding"]
+    decodes = [s for s in sliding.steps if s.num_computed_tokens > 40]
+    assert max(sum(b != 0 for b in s.sliding_table) for s in decodes) == 5
+    assert max(sum(b != 0 for b in s.sliding_table) for s in sliding.steps) <= 9
+    assert len(sliding.steps[-1].full_table) == 16  # 62 tokens computed, slots for 64: every block kept
+    assert sliding.hit_tokens == 36 and [sum(b != 0 for b in t) for t in sliding.hit_tables] == [9, 4, 4, 4]
+    assert sliding.same_tokens and sliding.num_free_blocks_after == sliding.num_usable_blocks
     out = capsys.readouterr().out
     assert "block table of request 'a'" in out and "preemption" in out and "hit rate" in out
     assert "this engine's arithmetic" in out and "4 KV cache groups" in out

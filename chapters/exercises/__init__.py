@@ -38,6 +38,7 @@ EXERCISE_TARGETS: dict[str, str] = {
     "4.3": "nanoengine.core.kv_cache_utils:FreeKVCacheBlockQueue.remove",
     "4.4": "nanoengine.core.kv_cache_coordinator:KVCacheCoordinator.get_num_blocks_to_allocate",
     "4.5": "nanoengine.core.kv_cache_groups:align_hybrid_block_size",
+    "4.6": "nanoengine.core.single_type_kv_cache_manager:SingleTypeKVCacheManager.remove_skipped_blocks",
     "5.1": "nanoengine.request:RequestStatus.is_finished",
     "5.2": "nanoengine.core.sched.scheduler:Scheduler._handle_blocked_waiting_request",
     "6.1": "nanoengine.core.kv_cache_sizing:num_blocks_from_budget",

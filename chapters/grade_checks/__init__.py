@@ -9,7 +9,7 @@ for a reason and an end-to-end run cannot pass without exercising the code.
 
 One module per chapter holds its exercises' checks (``ch4.py``: exercises 4.1,
 4.2 and 4.3; chapter 4's hybrid-model exercises 4.4 and 4.5 have
-``ch4_hybrid.py``; chapter 6's tensor-parallel exercise 6.2 has
+``ch4_hybrid.py``, its sliding-window exercise 4.6 ``ch4_sliding.py``; chapter 6's tensor-parallel exercise 6.2 has
 ``ch6_tensor_parallel.py``); ``common.py`` holds what they share,
 ``tiny_model.py`` writes the tiny models their end-to-end runs use,
 ``tp_ranks.py`` runs a function on spawned tensor-parallel ranks, and
@@ -25,6 +25,7 @@ from chapters.grade_checks import (
     ch3,
     ch4,
     ch4_hybrid,
+    ch4_sliding,
     ch5,
     ch6,
     ch6_tensor_parallel,
@@ -38,7 +39,7 @@ from chapters.grade_checks.zh import CHINESE
 
 # Exercise id -> its checks, unit checks first (they are fast and say the most).
 CHECKS: dict[str, tuple[Check, ...]] = {
-    **ch1.CHECKS, **ch3.CHECKS, **ch4.CHECKS, **ch4_hybrid.CHECKS, **ch5.CHECKS, **ch6.CHECKS,
+    **ch1.CHECKS, **ch3.CHECKS, **ch4.CHECKS, **ch4_hybrid.CHECKS, **ch4_sliding.CHECKS, **ch5.CHECKS, **ch6.CHECKS,
     **ch6_tensor_parallel.CHECKS, **ch7.CHECKS, **ch8.CHECKS, **ch9.CHECKS, **ch10.CHECKS,
 }
 

@@ -3,7 +3,9 @@
 The grader's hybrid exercises (4.4, 4.5; chapter 4) run the engine end to end
 on ``tiny_hybrid_model_dir()``: a four-layer Qwen3.5 (three Gated DeltaNet
 layers, then one full-attention layer), so one attention group and three state
-groups share the block pool. Exercise 6.2 (chapter 6) splits
+groups share the block pool. Chapter 4's sliding-window experiment and
+exercise 4.6 use ``tiny_gemma3_model_dir()``: three local layers with a
+16-token window and one global layer. Exercise 6.2 (chapter 6) splits
 ``tiny_llama_model_dir(num_kv_heads)`` over two tensor-parallel ranks.
 ``tests/tiny_models.py`` builds every test model with ``tiny_config`` and
 ``write_random_model`` and adds a tokenizer; the grader needs none, since its
@@ -159,6 +161,14 @@ def tiny_hybrid_model_dir() -> str:
     """The tiny Qwen3.5 ("qwen3_5": linear, linear, linear, full), written once per
     process into a temporary folder that is removed when the process exits."""
     return _written_once("qwen3_5", tiny_config("qwen3_5", TINY_VOCAB_SIZE))
+
+
+@functools.cache
+def tiny_gemma3_model_dir() -> str:
+    """The tiny Gemma 3 (three sliding-window layers of ``TINY_SLIDING_WINDOW``
+    tokens, then a global one), written once per process like ``tiny_hybrid_model_dir``.
+    Chapter 4's sliding-window experiment and exercise 4.6 run on it."""
+    return _written_once("gemma3", tiny_config("gemma3", TINY_VOCAB_SIZE))
 
 
 @functools.cache

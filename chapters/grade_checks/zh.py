@@ -357,6 +357,45 @@ CHINESE: dict[str, dict[str, tuple[str, str]]] = {
             ),
         ),
     },
+    "4.6": {
+        "the table keeps its length: the null block in place of each given-back block": (
+            "block table 长度不变：每个还回去的 block 的位置换成 null block",
+            (
+                "窗口 8，每个 block 4 个 token：在有 10 个 block 的 block table 上调用 "
+                "remove_skipped_blocks(\"r\", 19)，跳过 12 个 token（整 3 个 block）；看调用之后的 block table。"
+            ),
+        ),
+        "the given-back blocks go to the pool, the latest in the table first": (
+            "还回去的 block 进 block pool，block table 里靠后的先还",
+            "同样在 19 个 token 处调用：block pool 里空闲 block 的个数，以及空闲 block 队列最后三项（block 还回去的顺序）。",
+        ),
+        "keeps the block that holds the window's first key": (
+            "留着窗口第一个 key 所在的 block",
+            (
+                "每次用一张新的 10 个 block 的 block table，分别在 22、23、24 个 token 处调用一次："
+                "跳过 15、16、17 个 token，所以下一个 token 读的第一个 key 是 15、16、17。"
+            ),
+        ),
+        "a later call gives back only the newly skipped blocks; no blocks, no change": (
+            "之后的调用只还新跳过的 block；没有 block 时什么都不变",
+            (
+                "在同一张 block table 上依次在 19、再 19、27、30 个 token 处调用（请求在变长），"
+                "然后对还没有 block 的请求 \"x\" 调用一次：每次之后的 block table 和空闲 block 数。"
+            ),
+        ),
+        "full attention skips nothing: get_num_skipped_tokens decides": (
+            "全注意力什么都不跳过：由 get_num_skipped_tokens 决定",
+            "一个全注意力管理器（没有窗口），block table 相同：在 19 和 40 个 token 处调用；之后的 block table 和空闲 block 数。",
+        ),
+        "end to end: greedy tokens and preemptions on a tiny sliding-window model": (
+            "端到端：小滑动窗口模型上的贪心 token 和抢占",
+            (
+                "评分器自带的小 Gemma 3（三个窗口为 16 个 token 的局部层，一个全局层），不管给的是什么模型："
+                "四个各 7 个 token 的 prompt，每个贪心生成 40 个 token，63 个可用 block，每个 4 个 token。"
+                "从不还 block 的滑动窗口组占得更多，调度器就得更常抢占。"
+            ),
+        ),
+    },
     "5.1": {
         'every FINISHED_* state is finished': (
             "每个 FINISHED_* 状态都算结束",

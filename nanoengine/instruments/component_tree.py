@@ -107,6 +107,18 @@ def _grammars(manager: Any) -> str:
     return f"backend={'xgrammar' if manager._backend else 'xgrammar (not loaded)'}"
 
 
+def _group_detail(manager: Any) -> str:
+    """A KV cache group's size; for a sliding window (chapter 4) also the window and
+    how many table entries of running requests hold the null block: blocks given back."""
+    detail = f"group={manager.kv_cache_group_id} layers={manager.num_layers} block_size={manager.block_size}"
+    window = getattr(manager, "sliding_window", None)
+    if window is None:
+        return detail
+    null = manager.block_pool.null_block
+    given_back = sum(block is null for blocks in manager.req_to_blocks.values() for block in blocks)
+    return f"{detail} sliding_window={window} given_back={given_back}"
+
+
 def _tp_size(executor: Any) -> str:
     return f"tensor_parallel_size={executor.parallel_config.tensor_parallel_size}"
 
@@ -151,8 +163,7 @@ COMPONENTS: dict[str, Component] = {
     "nanoengine.core.kv_cache_manager.KVCacheManager": Component(("coordinator",)),
     "nanoengine.core.kv_cache_coordinator.KVCacheCoordinator": Component(("single_type_managers",)),
     "nanoengine.core.single_type_kv_cache_manager.SingleTypeKVCacheManager": Component(
-        ("block_pool",),
-        lambda m: f"group={m.kv_cache_group_id} layers={m.num_layers} block_size={m.block_size}",
+        ("block_pool",), _group_detail
     ),
     "nanoengine.core.block_pool.BlockPool": Component(
         detail=lambda pool: f"num_blocks={pool.num_blocks} free={pool.get_num_free_blocks()}"

@@ -9,7 +9,7 @@ one and requires that the grader rejects it, that the first failing check is
 the one named in ``caught_by`` (the behaviour the mistake breaks), and that
 the failure message says what differs.
 
-One module per chapter (``ch4.py``: exercises 4.1-4.3; ``ch4_hybrid.py``: 4.4, 4.5;
+One module per chapter (``ch4.py``: exercises 4.1-4.3; ``ch4_hybrid.py``: 4.4, 4.5; ``ch4_sliding.py``: 4.6;
 ``ch6_tensor_parallel.py``: 6.2), as in ``chapters/grade_checks/``. vLLM 0.32 counterpart: none (teaching material).
 """
 
