@@ -26,7 +26,13 @@ from nanoengine import LLM, SamplingParams
 from nanoengine.core.kv_cache_groups import ATTENTION_BLOCK_ALIGNMENT, align_hybrid_block_size
 from nanoengine.core.kv_cache_utils import KVCacheBlock
 from nanoengine.core.sched.scheduler import Scheduler
-from nanoengine.kv_cache_interface import FULL_ATTENTION_GROUP, KVCacheConfig, MambaSpec
+from nanoengine.kv_cache_interface import (
+    FULL_ATTENTION_GROUP,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from nanoengine.renderers.hf import TokensPrompt
 from nanoengine.transformers_utils.config import get_hf_config, resolve_model_path, trained_context_len
 from nanoengine.utils.math_utils import cdiv
@@ -75,9 +81,8 @@ def block_table(scheduler: Scheduler, request_id: str) -> Table:
         coordinator.single_type_managers, coordinator.get_blocks(request_id), strict=True
     ):
         is_state = isinstance(group.kv_cache_spec, MambaSpec)
-        label = f"{group.kv_cache_group_id}: " + (
-            "state, 1 block per request" if is_state else f"full attention, {group.block_size} tokens/block"
-        )
+        kind = "state, 1 block per request" if is_state else f"{kind_of(group.kv_cache_spec)}, {group.block_size} tokens/block"
+        label = f"{group.kv_cache_group_id}: {kind}"
         for index, block in enumerate(blocks):
             first = index * group.block_size
             table.add_row(
@@ -86,10 +91,18 @@ def block_table(scheduler: Scheduler, request_id: str) -> Table:
                 str(block.block_id),
                 "the whole request, as one state" if is_state else f"{first}-{first + group.block_size - 1}",
                 str(block.ref_cnt),
-                _hash_cell(block, manager.enable_caching and not is_state),
+                "(the null block: given back)" if block is manager.block_pool.null_block
+                else _hash_cell(block, manager.enable_caching and not is_state),
                 end_section=index == len(blocks) - 1,
             )
     return table
+
+
+def kind_of(spec: KVCacheSpec) -> str:
+    """A K/V group's kind in words: full attention, or a sliding window of so many tokens."""
+    if isinstance(spec, SlidingWindowSpec):
+        return f"sliding window of {spec.sliding_window} tokens"
+    return "full attention"
 
 
 def _hash_cell(block: KVCacheBlock, cacheable: bool) -> str:
@@ -204,7 +217,7 @@ def groups_table(config: KVCacheConfig) -> Table:
         is_state = isinstance(group.kv_cache_spec, MambaSpec)
         table.add_row(
             str(group_id),
-            "state (Gated DeltaNet)" if is_state else "full attention",
+            "state (Gated DeltaNet)" if is_state else kind_of(group.kv_cache_spec),
             " ".join(map(str, group.layer_indices)),
             f"{group.kv_cache_spec.block_size} (= max_model_len)"
             if is_state

@@ -68,9 +68,11 @@ def kernel_errors() -> None:
                                torch.tensor(slots, device="cuda"), qsl, seq_lens)
         q = torch.randn(t, heads, dim, device="cuda", dtype=dtype)
         k, v = (torch.randn(t, kv_heads, dim, device="cuda", dtype=dtype) for _ in range(2))
-        ref = TorchRefAttentionImpl().forward(q, k, v, cache.clone(), md, dim**-0.5)
-        got = TritonAttentionImpl().forward(q, k, v, cache.clone(), md, dim**-0.5)
-        print(f"[kernel] {dtype}: max |triton - reference| = {(got.float() - ref.float()).abs().max().item():.3e}")
+        for window in (None, 24):  # full attention, and a sliding window (chapter 4) shorter than most rows
+            ref = TorchRefAttentionImpl().forward(q, k, v, cache.clone(), md, dim**-0.5, window)
+            got = TritonAttentionImpl().forward(q, k, v, cache.clone(), md, dim**-0.5, window)
+            error = (got.float() - ref.float()).abs().max().item()
+            print(f"[kernel] {dtype}, sliding_window={window}: max |triton - reference| = {error:.3e}")
 
 
 def make_model(name: str, root: Path) -> str:

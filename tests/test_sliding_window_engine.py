@@ -22,6 +22,7 @@ from hf_reference import EXACT_DTYPE, HFGreedy
 from chapters.grade_checks.tiny_model import TINY_SLIDING_WINDOW
 from nanoengine import LLM, SamplingParams
 from nanoengine.core.single_type_kv_cache_manager import SlidingWindowManager
+from nanoengine.instruments.component_tree import tree_to_text
 
 ARCHS = ["mistral-sliding", "qwen3-sliding", "gemma3"]
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -109,6 +110,12 @@ def test_a_request_eight_windows_long_holds_one_window_per_sliding_group(
         if request.is_finished():
             break
         held_per_step.append([sum(b is not null for b in m.get_blocks("long")) for m in coordinator.single_type_managers])
+        if len(held_per_step) == 40:  # the component tree names each sliding group and what it gave back
+            tree = tree_to_text(core.scheduler)
+            assert tree.count(f"sliding_window={TINY_SLIDING_WINDOW} given_back=") == 3
+            # Scheduled at n - 1 computed tokens, the step skipped (n - 1) - 16 + 1 of them: whole blocks given back.
+            given_back = (request.num_computed_tokens - TINY_SLIDING_WINDOW) // 4
+            assert f"sliding_window={TINY_SLIDING_WINDOW} given_back={given_back}" in tree
     bound = TINY_SLIDING_WINDOW // 4 + 1
     assert len(held_per_step) >= 8 * TINY_SLIDING_WINDOW - 9
     for held in held_per_step:

@@ -45,6 +45,22 @@ over 3 do not). Values *stated* by public pages:
 
 Assumed: the FFN size (3,072), RoPE theta and ``rms_norm_eps``.
 
+Gemma 3 270M (chapter 4: local sliding-window layers beside global ones; the
+smallest Gemma 3, its text model only). Values *stated* by public pages:
+
+* https://ollama.com/sam860/gemma3:270m/blobs/29005e200100 (the GGUF's
+  metadata): 18 blocks, embedding length 640, feed-forward length 2,048,
+  4 attention heads over 1 KV head, key and value length 256, sliding window
+  512, context 32,768, RMSNorm epsilon 1e-6, RoPE base 1,000,000, bos 2, eos
+  1, padding 0, and a token embedding of 640 x 262,144;
+* https://huggingface-mirror.yottacloud.host/Mayank022/Gemma_3_270M_SLM_from_scratch :
+  15 sliding-window layers of 512 tokens and 3 full-attention layers, at
+  positions 6, 12 and 18 (Gemma 3's five local layers to one global).
+
+Assumed: ``query_pre_attn_scalar`` (256, the head size, as the published
+Gemma 3 4B config has it), the local layers' RoPE base (10,000, the 4B's),
+the GELU-tanh gate and tied embeddings (as every Gemma 3).
+
 The architecture of Qwen3.5 is the text-only ``Qwen3_5ForCausalLM`` (``model_type``
 ``qwen3_5_text``): the released checkpoint also carries a vision tower, which
 nanoengine never runs.
@@ -167,10 +183,52 @@ _QWEN3_0_6B = BuiltinConfig(
     assumed=("intermediate_size", "rope_parameters.rope_theta", "rms_norm_eps"),
 )
 
+# Gemma 3's pattern, stated: five local layers, then a global one, three times.
+_GEMMA_3_270M_LAYERS = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+
+_GEMMA_3_270M = BuiltinConfig(
+    folder="gemma-3-270m",
+    config={
+        # The text model (Gemma 3 270M has no vision tower).
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        # Stated by the sources in the module docstring.
+        "hidden_size": 640,
+        "num_hidden_layers": 18,
+        "layer_types": _GEMMA_3_270M_LAYERS,
+        "intermediate_size": 2048,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "sliding_window": 512,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 262144,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+        # Assumed (listed in ``assumed`` below), but the global theta, stated.
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        "query_pre_attn_scalar": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+    },
+    assumed=(
+        "rope_parameters.sliding_attention.rope_theta",
+        "query_pre_attn_scalar",
+        "hidden_activation",
+        "tie_word_embeddings",
+    ),
+)
+
 # Model name (as a user writes it) -> its shipped config.
 BUILTIN_CONFIGS: dict[str, BuiltinConfig] = {
     "Qwen/Qwen3.5-0.8B": _QWEN3_5_0_8B,
     "Qwen/Qwen3-0.6B": _QWEN3_0_6B,
+    "google/gemma-3-270m": _GEMMA_3_270M,
 }
 
 
