@@ -7,6 +7,7 @@ coordinator's fixed point, and the sizing of a window's bounded need.
 
 from __future__ import annotations
 
+from test_kv_cache_manager import run_prefill
 from test_scheduler import TOKEN, fake_model_runner
 
 from nanoengine.config import CacheConfig, SchedulerConfig
@@ -174,9 +175,3 @@ def test_sizing_counts_a_window_and_one_step_per_sliding_group() -> None:
     layout = group_kv_cache_layers({0: sliding_spec(), 1: full_spec(), 2: sliding_spec(), 3: full_spec()})
     assert layout.max_num_blocks(1024, 16) == 256 + 7
 
-
-def run_prefill(manager: KVCacheManager, request: Request) -> None:
-    """A first schedule: look up, allocate, compute the whole prompt."""
-    hits, num_cached = manager.get_computed_blocks(request)
-    assert manager.allocate_slots(request, request.num_tokens - num_cached, num_cached, hits) is not None
-    request.num_computed_tokens = request.num_tokens

@@ -60,10 +60,10 @@ def _table(manager: SingleTypeKVCacheManager) -> list[int]:
     return [block.block_id for block in manager.get_blocks("r")]
 
 
-def _after(manager: SingleTypeKVCacheManager, num_computed_tokens: int) -> str:
+def _after(manager: SingleTypeKVCacheManager, num_computed_tokens: int, request_id: str = "r") -> str:
     """Call remove_skipped_blocks; what it raised, if it did."""
     try:
-        manager.remove_skipped_blocks("r", num_computed_tokens)
+        manager.remove_skipped_blocks(request_id, num_computed_tokens)
     except Exception as error:  # noqa: BLE001 - a wrong answer may raise anything; say what
         return f"raised {type(error).__name__}: {error}"
     return "returned"
@@ -113,11 +113,7 @@ def later_calls_give_back_only_new_blocks(model: str) -> dict[str, Any]:
         outcome = _after(manager, num_computed)
         result[f"remove_skipped_blocks(r, {num_computed})"] = (outcome, _table(manager),
                                                                manager.block_pool.get_num_free_blocks())
-    try:
-        manager.remove_skipped_blocks("x", 30)
-        result["remove_skipped_blocks(x, 30), no blocks"] = "returned"
-    except Exception as error:  # noqa: BLE001 - a wrong answer may raise anything; say what
-        result["remove_skipped_blocks(x, 30), no blocks"] = f"raised {type(error).__name__}: {error}"
+    result["remove_skipped_blocks(x, 30), no blocks"] = _after(manager, 30, request_id="x")
     return result
 
 

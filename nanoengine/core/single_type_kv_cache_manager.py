@@ -139,6 +139,8 @@ class SingleTypeKVCacheManager(ABC):
         at the first null one: earlier calls already swapped everything before it.
         """
         num_skipped_blocks = self.get_num_skipped_tokens(num_computed_tokens) // self.block_size
+        if num_skipped_blocks == 0:  # full attention, or a window not yet outgrown: every step, cheaply
+            return
         blocks = self.req_to_blocks.get(request_id, [])
         null_block = self.block_pool.null_block
         removed: list[KVCacheBlock] = []
