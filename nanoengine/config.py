@@ -11,6 +11,7 @@ must stay device-free. ``EngineArgs`` (engine/arg_utils.py) fills them in.
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -297,6 +298,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None  # the draft model, for method="draft_model"
+    # nanoengine's own (vLLM verifies every draft): "adaptive" verifies only the
+    # drafts expected to pay for their rows (spec_decode/draft_length.py);
+    # "fixed" verifies every draft, as vLLM does, and repeats run for run.
+    draft_length: Literal["adaptive", "fixed"] = "adaptive"
+    # vLLM's: [(first, last, k), ...], the draft length for each range of batch
+    # sizes, e.g. [(1, 4, 5), (5, 16, 2), (17, 256, 0)]; None: k everywhere.
+    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
@@ -309,12 +317,43 @@ class SpeculativeConfig:
         if self.method == "ngram":
             self.prompt_lookup_min, self.prompt_lookup_max = _lookup_bounds(self.prompt_lookup_min,
                                                                             self.prompt_lookup_max)
+        if self.draft_length not in ("adaptive", "fixed"):
+            raise ValueError(f"draft_length must be 'adaptive' or 'fixed', got {self.draft_length!r}.")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            self.num_speculative_tokens_per_batch_size = _batch_size_schedule(
+                self.num_speculative_tokens_per_batch_size)
 
     @property
     def num_lookahead_tokens(self) -> int:
         """KV slots a request needs beyond the tokens it verifies: a draft model
         writes the KV of its own guesses there; an n-gram search writes none."""
         return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
+def _batch_size_schedule(entries: object) -> list[tuple[int, int, int]]:
+    """vLLM's rules for ``num_speculative_tokens_per_batch_size``: a non-empty list
+    of ``(first, last, k)``, positive ranges that do not overlap, the first from 1,
+    every ``k`` at least 0 (0: no drafts at those batch sizes)."""
+    if not isinstance(entries, list | tuple) or not entries:
+        raise ValueError("num_speculative_tokens_per_batch_size must be a non-empty list of "
+                         f"(first_batch_size, last_batch_size, num_speculative_tokens), got {entries!r}.")
+    schedule = []
+    for entry in entries:
+        if (not isinstance(entry, list | tuple) or len(entry) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)):
+            raise ValueError(f"each num_speculative_tokens_per_batch_size entry must be three ints, got {entry!r}.")
+        first, last, k = entry
+        if not 1 <= first <= last or k < 0:
+            raise ValueError(f"num_speculative_tokens_per_batch_size entry {entry!r}: need "
+                             "1 <= first_batch_size <= last_batch_size and num_speculative_tokens >= 0.")
+        schedule.append((first, last, k))
+    schedule.sort()
+    if schedule[0][0] != 1:
+        raise ValueError(f"num_speculative_tokens_per_batch_size must start at batch size 1, got {schedule[0]!r}.")
+    for before, after in itertools.pairwise(schedule):
+        if after[0] <= before[1]:
+            raise ValueError(f"num_speculative_tokens_per_batch_size ranges {before!r} and {after!r} overlap.")
+    return schedule
 
 
 def _lookup_bounds(low: int | None, high: int | None) -> tuple[int, int]:

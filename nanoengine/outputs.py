@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from nanoengine.distributed.kv_transfer.base import KVTransferStats
 from nanoengine.engine import EngineCoreEvent, EngineCoreEventType
 from nanoengine.logprobs import LogprobsLists, PromptLogprobs, SampleLogprobs
+from nanoengine.spec_decode.metrics import RequestSpecDecodeMetrics
 
 if TYPE_CHECKING:  # annotations only: this module stays importable without torch (core/ reads it)
     import torch
@@ -40,6 +41,8 @@ class CompletionOutput:
     # the top candidates). None when logprobs were not asked for.
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
+    # Chapter 9, once finished: the sequence's drafts and kept drafts (vLLM's field).
+    spec_decode_metrics: RequestSpecDecodeMetrics | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanoengine.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.spec_decode.metrics import RequestSpecDecodeMetrics
 
 if TYPE_CHECKING:  # annotation only: importing it would pull the grammar backend in
     from nanoengine.structured_output.request import StructuredOutputRequest
@@ -135,6 +136,8 @@ class Request:
         # tokens, set after each step, scheduled (and cleared) by the next one.
         # They are not part of ``all_token_ids`` until the target model keeps them.
         self.spec_token_ids: list[int] = []
+        # Its verification steps, counted by the scheduler (None without speculation).
+        self.spec_decode_metrics: RequestSpecDecodeMetrics | None = None
 
         # Hashes of every *full* block of this request's tokens, kept up to date
         # as tokens arrive so the prefix cache can look them up in O(1).

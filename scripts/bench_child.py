@@ -80,6 +80,8 @@ class ChildSystem:
         self.last_metrics: dict[str, list[float]] = {"ttft": [], "tpot": []}
         # Cumulative draft / accepted token counts after the last run (speculation on).
         self.spec_counts: dict[str, int] | None = None
+        # Each request's acceptance rate in the last run (empty: not reported).
+        self.last_acceptance: list[float | None] = []
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -103,6 +105,7 @@ class ChildSystem:
         answer = self._read()
         self.last_metrics = {"ttft": answer["ttft"], "tpot": answer["tpot"]}
         self.spec_counts = answer.get("spec")
+        self.last_acceptance = answer.get("acceptance", [])
         tokens = [list(t) for t in answer["tokens"]]
         if ignore_eos:
             check_lengths(self.name, tokens, workload.max_tokens)
@@ -143,7 +146,7 @@ def _latencies(
     return ttft, tpot
 
 
-def _nanoengine(config: dict[str, Any]) -> tuple[str, str, Generate, SpecCounts]:
+def _nanoengine(config: dict[str, Any]) -> tuple[str, str, Generate, SpecCounts, list[float | None]]:
     import torch
 
     import nanoengine
@@ -159,6 +162,8 @@ def _nanoengine(config: dict[str, Any]) -> tuple[str, str, Generate, SpecCounts]
     kernels = (f"kernel variant {kernel_isa()}, attention {resolve_backend_name('auto', cpu, dtype)}, "
                f"linear {resolve_linear_backend('auto', cpu, dtype)}, ATen {torch.backends.cpu.get_cpu_capability()}")
 
+    acceptance: list[float | None] = []  # per request, refilled by every generate()
+
     def generate(
         prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool
     ) -> tuple[list[list[int]], list[float], list[float]]:
@@ -172,6 +177,7 @@ def _nanoengine(config: dict[str, Any]) -> tuple[str, str, Generate, SpecCounts]
             lambda o: o.metrics.time_to_first_token if o.metrics else None,
             lambda o: o.metrics.time_per_output_token if o.metrics else None,
         )
+        acceptance[:] = [m.acceptance_rate if (m := o.outputs[0].spec_decode_metrics) else None for o in outputs]
         return [list(o.outputs[0].token_ids) for o in outputs], ttft, tpot
 
     def spec_counts() -> dict[str, int] | None:
@@ -181,10 +187,10 @@ def _nanoengine(config: dict[str, Any]) -> tuple[str, str, Generate, SpecCounts]
         return {"draft_tokens": stats.num_draft_tokens, "accepted_tokens": stats.num_accepted_tokens,
                 "drafts": stats.num_drafts}
 
-    return nanoengine.__version__, kernels, generate, spec_counts
+    return nanoengine.__version__, kernels, generate, spec_counts, acceptance
 
 
-def _vllm(config: dict[str, Any]) -> tuple[str, str, Generate, SpecCounts]:
+def _vllm(config: dict[str, Any]) -> tuple[str, str, Generate, SpecCounts, list[float | None]]:
     import torch
 
     if os.environ.get("NANOENGINE_CPU_ISA") == "avx2":
@@ -224,17 +230,17 @@ def _vllm(config: dict[str, Any]) -> tuple[str, str, Generate, SpecCounts]:
         counts = {names[m.name]: int(m.value) for m in llm.get_metrics() if m.name in names}
         return counts or None
 
-    return str(vllm.__version__), kernels, generate, spec_counts
+    return str(vllm.__version__), kernels, generate, spec_counts, []  # per request: not asked of vLLM
 
 
 def _serve(kind: str, config_json: str) -> None:
     """The child: build the engine once, then answer one JSON request per stdin line."""
-    version, kernels, generate, spec_counts = {"nanoengine": _nanoengine, "vllm": _vllm}[kind](json.loads(config_json))
+    version, kernels, generate, spec_counts, acceptance = {"nanoengine": _nanoengine, "vllm": _vllm}[kind](json.loads(config_json))
     print(MARKER + json.dumps({"version": version, "kernels": kernels}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         tokens, ttft, tpot = generate(request["prompts"], request["max_tokens"], request.get("ignore_eos", True))
-        answer = {"tokens": tokens, "ttft": ttft, "tpot": tpot, "spec": spec_counts()}
+        answer = {"tokens": tokens, "ttft": ttft, "tpot": tpot, "spec": spec_counts(), "acceptance": acceptance}
         print(MARKER + json.dumps(answer), flush=True)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from nanoengine.logprobs import LogprobsLists
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.spec_decode.metrics import RequestSpecDecodeMetrics
 
 
 class FinishReason(enum.IntEnum):
@@ -99,6 +100,8 @@ class EngineCoreOutput:
     # Chapter 10: set in a producer's last output, where the KV blocks wait for
     # the decode engine (vLLM's kv_transfer_params).
     kv_transfer_params: dict[str, Any] | None = None
+    # Chapter 9: in a finished request's last output, its drafts and kept drafts.
+    spec_decode_metrics: RequestSpecDecodeMetrics | None = None
 
     @property
     def finished(self) -> bool:

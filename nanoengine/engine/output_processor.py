@@ -28,6 +28,7 @@ from nanoengine.logprobs import PromptLogprobs
 from nanoengine.metrics.stats import IterationStats
 from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind
+from nanoengine.spec_decode.metrics import RequestSpecDecodeMetrics
 
 
 @dataclass
@@ -49,6 +50,8 @@ class RequestState:
     stop_reason: int | str | None = None
     # DELTA: how many tokens the earlier outputs carried.
     num_tokens_sent: int = 0
+    # Chapter 9: the engine core's counts of drafts, in the finished output.
+    spec_decode_metrics: RequestSpecDecodeMetrics | None = None
 
     def completion(self) -> CompletionOutput:
         """This sample's part of the next RequestOutput: all of it, or only what is new."""
@@ -65,6 +68,7 @@ class RequestState:
             cumulative_logprob=self.logprobs_processor.cumulative_logprob,
             # A slice either way: an output never shares a list the next step extends.
             logprobs=None if logprobs is None else logprobs[start:],
+            spec_decode_metrics=self.spec_decode_metrics if self.finish_reason is not None else None,
         )
 
 
@@ -206,6 +210,8 @@ class OutputProcessor:
                 reqs_to_abort.append(output.request_id)
             elif output.finish_reason is not None:
                 state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
+            if output.spec_decode_metrics is not None:
+                state.spec_decode_metrics = output.spec_decode_metrics
                 parent.finish_message = parent.finish_message or output.finish_message
             if stats is not None and state.finish_reason is not None:
                 stats.update_from_finished_request(

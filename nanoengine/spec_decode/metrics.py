@@ -64,3 +64,36 @@ class SpecDecodingStats:
     def mean_acceptance_length(self) -> float | None:
         """Tokens emitted per verification step (accepted drafts plus the target's own)."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+@dataclass
+class RequestSpecDecodeMetrics:
+    """One request's verification steps: how many drafts each kept, and all drafted.
+
+    ``histogram[j]`` counts the steps that kept exactly ``j`` drafts. The
+    output processor hands it to the user on the finished ``CompletionOutput``
+    (``spec_decode_metrics``), so a benchmark can print each request's rate.
+    vLLM 0.32 fills the same field only with ``--per-request-spec-decode-metrics``;
+    nanoengine always does, as it is a few integers per request.
+    """
+
+    num_spec_tokens: int
+    histogram: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+
+    @classmethod
+    def new(cls, num_spec_tokens: int) -> RequestSpecDecodeMetrics:
+        return cls(num_spec_tokens=num_spec_tokens, histogram=[0] * (num_spec_tokens + 1))
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.histogram[num_accepted] += 1
+        self.num_draft_tokens += num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(j * count for j, count in enumerate(self.histogram))
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Kept drafts over drafted tokens; None if nothing was drafted."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None

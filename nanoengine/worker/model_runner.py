@@ -46,6 +46,7 @@ from nanoengine.outputs import (
 from nanoengine.sample.rejection_sampler import RejectionSampler
 from nanoengine.sample.sampler import Sampler
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.spec_decode.draft_length import DraftLengthPolicy, cap_for_batch
 from nanoengine.spec_decode.draft_model import DraftModelProposer
 from nanoengine.spec_decode.ngram_proposer import NgramProposer
 from nanoengine.structured_output.utils import apply_grammar_bitmask
@@ -102,6 +103,10 @@ class _PendingSample:
     # Chapter 9: the drafts each sampling request verifies (parallel to
     # sampling_req_ids); empty lists, or none at all, without speculation.
     spec_token_ids: list[list[int]] = field(default_factory=list)
+    # Chapter 9: a step of decodes only (one logits row per scheduled token) is
+    # timed for the draft-length policy; None for a step with a prefill chunk.
+    decode_rows: int | None = None
+    started: float = 0.0
 
     @property
     def logits_req_ids(self) -> list[str]:
@@ -132,6 +137,9 @@ class ModelRunner:
             self.drafter = DraftModelProposer(engine_config, device, self.dtype)
         self.rejection_sampler = RejectionSampler()
         self._draft_token_ids: DraftTokenIds | None = None
+        # Which drafts are worth verifying (None: all of them, draft_length="fixed").
+        self.draft_length = (DraftLengthPolicy(spec.num_speculative_tokens)
+                             if spec is not None and spec.draft_length == "adaptive" else None)
         # Requests without a seed share this stream; seeded ones get their own.
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(self.model_config.seed)
@@ -298,6 +306,8 @@ class ModelRunner:
         """Apply the scheduler's deltas to the worker's copy of each request."""
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.draft_length is not None:
+                self.draft_length.forget(req_id)
         # Preempted requests keep their state (and random stream) but lose their
         # blocks; they come back as "new" with a fresh block table.
         for new in scheduler_output.scheduled_new_reqs:
@@ -342,6 +352,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run the forward pass; return None and leave the logits for sample_tokens."""
+        started = time.perf_counter()
         self._update_states(scheduler_output)
         metadata = scheduler_output.kv_connector_metadata
         if self.kv_connector is not None:
@@ -369,6 +380,8 @@ class ModelRunner:
             targets,
             logits[num_rows:],
             [spec.get(rid, []) for rid in inputs.sampling_req_ids] if spec else [],
+            num_rows if num_rows == scheduler_output.total_num_scheduled_tokens else None,
+            started,
         )
         if self.kv_connector is not None and metadata:
             self.kv_connector.wait_for_save(metadata)  # the forward pass just wrote the blocks
@@ -424,6 +437,8 @@ class ModelRunner:
             logprobs = _logprobs_by_request(states, sampler_output.logprobs_tensors, list(range(len(states))))
         for state, tokens in zip(states, emitted):
             state.token_ids.extend(tokens)
+        if self.draft_length is not None and pending.decode_rows is not None:
+            self.draft_length.observe_step(pending.decode_rows, time.perf_counter() - pending.started)
         if self.drafter is not None:
             self._draft_token_ids = self.propose_draft_token_ids(states)
         by_req = {state.req_id: tokens for state, tokens in zip(states, emitted)}
@@ -456,18 +471,34 @@ class ModelRunner:
         output = self.rejection_sampler(drafts, logits, metadata, generators)
         for state, request_drafts, tokens in zip(states, drafts, output.emitted_token_ids):
             state.num_computed_tokens -= len(request_drafts) + 1 - len(tokens)
+            if self.draft_length is not None and request_drafts:
+                self.draft_length.observe_verified(state.req_id, len(request_drafts), len(tokens) - 1)
         counts = [len(tokens) for tokens in output.emitted_token_ids]
         logprobs = _logprobs_by_request(states, output.logprobs_tensors, output.first_rows, counts)
         return output.emitted_token_ids, logprobs
 
     def propose_draft_token_ids(self, states: list[CachedRequestState]) -> DraftTokenIds:
-        """Chapter 9: the drafts for each request that just sampled, from its tokens so far."""
+        """Chapter 9: the drafts for each request that just sampled, from its tokens so far,
+        cut to the drafts worth verifying next step."""
         if isinstance(self.drafter, NgramProposer):
             drafts = self.drafter.propose([state.token_ids for state in states])
         else:
             assert self.drafter is not None
             drafts = self.drafter.propose(states)
-        return DraftTokenIds([state.req_id for state in states], drafts)
+        req_ids = [state.req_id for state in states]
+        return DraftTokenIds(req_ids, self._drafts_to_verify(req_ids, drafts))
+
+    def _drafts_to_verify(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
+        """vLLM's batch-size table first (if set), then the draft-length policy (if adaptive)."""
+        spec = self.engine_config.speculative_config
+        assert spec is not None
+        if spec.num_speculative_tokens_per_batch_size is not None:
+            cap = cap_for_batch(spec.num_speculative_tokens_per_batch_size, len(req_ids), spec.num_speculative_tokens)
+            drafts = [draft[:cap] for draft in drafts]
+        if self.draft_length is None:
+            return drafts
+        lengths = self.draft_length.choose(req_ids, [len(draft) for draft in drafts])
+        return [draft[:length] for draft, length in zip(drafts, lengths)]
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """Hand over the last step's drafts once (vLLM's ``take_draft_token_ids``)."""

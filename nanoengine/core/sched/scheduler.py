@@ -71,7 +71,7 @@ from nanoengine.kv_cache_interface import KVCacheConfig
 from nanoengine.metrics.stats import SchedulerStats
 from nanoengine.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from nanoengine.request import Request, RequestStatus
-from nanoengine.spec_decode.metrics import SpecDecodingStats
+from nanoengine.spec_decode.metrics import RequestSpecDecodeMetrics, SpecDecodingStats
 
 if TYPE_CHECKING:  # the manager imports torch; the scheduler only calls it
     from nanoengine.structured_output import StructuredOutputManager
@@ -152,6 +152,8 @@ class Scheduler:
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
         request.record_event(EngineCoreEventType.QUEUED)
+        if self.spec_decoding_stats is not None:
+            request.spec_decode_metrics = RequestSpecDecodeMetrics.new(self.num_spec_tokens)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """End requests from outside (aborts); unknown or finished ids are ignored.
@@ -601,6 +603,8 @@ class Scheduler:
         request.num_computed_tokens -= num_rejected
         if self.spec_decoding_stats is not None:
             self.spec_decoding_stats.observe_draft(num_draft_tokens, num_accepted)
+        if request.spec_decode_metrics is not None:
+            request.spec_decode_metrics.observe(num_draft_tokens, num_accepted)
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         """Take the proposer's drafts, to be scheduled with each request's next step.

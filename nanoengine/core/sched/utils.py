@@ -176,6 +176,7 @@ def make_engine_core_output(
         new_logprobs=new_logprobs,
         new_prompt_logprobs=new_prompt_logprobs,
         kv_transfer_params=kv_transfer_params,
+        spec_decode_metrics=request.spec_decode_metrics if request.is_finished() else None,
     )
 
 
