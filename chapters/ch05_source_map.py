@@ -14,7 +14,7 @@ import importlib
 import inspect
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,12 @@ class VllmNode:
 
 @dataclass(frozen=True)
 class VllmSymbol:
-    """A function or class the chapter names that is not a tree node."""
+    """A function or class the chapter names that is not a tree node.
+
+    ``nanoengine`` is the dotted name of our counterpart; a symbol without one
+    says in ``absent_because`` why nanoengine has none, so the table never
+    shows a bare gap a reader would take for a missing piece.
+    """
 
     name: str
     vllm: str
@@ -54,6 +59,7 @@ class VllmSymbol:
     nanoengine: str | None = None
     seed_at: str | None = None
     note: str | None = None
+    absent_because: str | None = None
 
 
 @dataclass
@@ -105,12 +111,7 @@ def _recompute_live(recorded: VllmMap, vllm: Any) -> VllmMap:
             seed_defined_at=node.seed_defined_at,
             seed_created_at=node.seed_created_at,
         )
-    symbols = [
-        VllmSymbol(
-            s.name, s.vllm, _symbol_location(s.vllm, root) or "(not found)", s.nanoengine, s.seed_at, s.note
-        )
-        for s in recorded.symbols
-    ]
+    symbols = [replace(s, at=_symbol_location(s.vllm, root) or "(not found)") for s in recorded.symbols]
     return VllmMap(str(getattr(vllm, "__version__", "unknown")), recorded.seed_version, True, nodes, symbols)
 
 
@@ -280,18 +281,42 @@ def drift_table(vllm_map: VllmMap) -> Table:
 
 
 def symbols_table(vllm_map: VllmMap) -> Table:
-    """Functions the chapter names, with nanoengine's live counterpart where there is one."""
-    table = Table(title=f"Named functions: vLLM {vllm_map.version} and nanoengine")
-    for column in ("vLLM", f"vLLM {vllm_map.version}", "nanoengine"):
-        table.add_column(column)
+    """Functions the chapter names, with nanoengine's live counterpart where there is one.
+
+    The notes go under the table, numbered: a fourth column would leave too
+    little width for the file:line columns, and a cut path cannot be opened.
+    """
+    table = Table(title=f"Named functions: vLLM {vllm_map.version} and nanoengine", caption_justify="left")
+    for column in ("vLLM", f"vLLM {vllm_map.version}"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("nanoengine")
+    table.add_column("note", justify="right")
+    notes: list[str] = []
     for symbol in vllm_map.symbols:
-        table.add_row(symbol.name, symbol.at, _location_of_ours(symbol.nanoengine))
+        if symbol.note:
+            notes.append(f"{len(notes) + 1}. {symbol.name}: {symbol.note}")
+        table.add_row(
+            symbol.name, symbol.at, nanoengine_counterpart(symbol), str(len(notes)) if symbol.note else ""
+        )
+    table.caption = "\n".join(notes) or None
     return table
 
 
-def _location_of_ours(dotted: str | None) -> str:
+def nanoengine_counterpart(symbol: VllmSymbol) -> str:
+    """Where our counterpart is defined, or why there is none.
+
+    A recorded name that no longer imports is a stale map, not an absence:
+    it is shown as such, so a rename in nanoengine cannot pass for a gap.
+    """
+    if symbol.nanoengine is None:
+        return f"(no counterpart: {symbol.absent_because or 'no reason recorded'})"
+    location = _location_of_ours(symbol.nanoengine)
+    return location or f"(stale map: {symbol.nanoengine} not found)"
+
+
+def _location_of_ours(dotted: str) -> str | None:
     obj = _resolve(dotted)
     if callable(obj):
         obj = inspect.unwrap(obj)  # past decorators such as torch.inference_mode
     location = code_location(obj) if obj is not None else None
-    return str(location) if location else "(no counterpart)"
+    return str(location) if location else None
