@@ -16,9 +16,9 @@ seen, nothing is assumed about the machine:
   over the row counts near the coming step.
 * **How likely each draft is kept.** ``AcceptanceEstimate`` counts, per
   request, the drafts kept and the first draft rejected in each step. If each
-  draft is kept with probability ``alpha``, draft number ``j`` of a step
-  (counting from 1) is used only if all before it were kept too: probability
-  ``alpha ** j``.
+  draft is kept with probability ``alpha``, the draft at index ``j`` of a step
+  (counting from 0, as chapter 9 does) is used only if the ``j`` before it
+  were kept too: probability ``alpha ** (j + 1)``.
 
 The rule: a step with ``N`` expected tokens and ``T`` expected seconds gains by
 one more draft worth ``p`` expected tokens and ``b`` seconds exactly when
@@ -142,11 +142,11 @@ class DraftLengthPolicy:
         if line is None or line[1] <= 0.0:
             return list(num_proposed)  # rows cost nothing measurable (yet): verify them all
         start, per_row = line
-        # Draft j of request i is used with probability rate_i ** j.
+        # Request i's draft at index j is used with probability rate_i ** (j + 1).
         offers = []
         for index, (req_id, proposed) in enumerate(zip(req_ids, num_proposed)):
             rate = self.acceptance_rate(req_id)
-            offers += [(rate**j, index) for j in range(1, proposed + 1)]
+            offers += [(rate ** (j + 1), index) for j in range(proposed)]
         offers.sort(key=lambda offer: -offer[0])
         chosen = [0] * num_reqs
         tokens, seconds = float(num_reqs), start + per_row * num_reqs
