@@ -210,9 +210,9 @@ class OutputProcessor:
                 reqs_to_abort.append(output.request_id)
             elif output.finish_reason is not None:
                 state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
+                parent.finish_message = parent.finish_message or output.finish_message
             if output.spec_decode_metrics is not None:
                 state.spec_decode_metrics = output.spec_decode_metrics
-                parent.finish_message = parent.finish_message or output.finish_message
             if stats is not None and state.finish_reason is not None:
                 stats.update_from_finished_request(
                     state.finish_reason, state.stats, len(parent.prompt_token_ids), output.num_cached_tokens,
