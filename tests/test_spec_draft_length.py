@@ -91,7 +91,7 @@ def test_a_request_without_drafts_returns_to_the_engine_wide_rate() -> None:
 
 def test_acceptance_counts_only_the_drafts_that_were_judged() -> None:
     estimate = AcceptanceEstimate()
-    estimate.observe(num_drafted=4, num_accepted=1)  # draft 2 rejected, 3 and 4 never judged
+    estimate.observe(num_drafted=4, num_accepted=1)  # d_1 rejected, d_2 and d_3 never judged
     estimate.observe(num_drafted=2, num_accepted=2)
     assert (estimate.kept, estimate.rejected) == (3, 1)
     assert estimate.rate(prior=0.5, prior_weight=0.0) == 0.75
@@ -127,3 +127,18 @@ def test_draft_length_names_its_two_choices() -> None:
         SpeculativeConfig(draft_length="sometimes")  # type: ignore[arg-type]
     config = SpeculativeConfig(num_speculative_tokens_per_batch_size=[[1, 4, 3], [5, 64, 0]])  # type: ignore[list-item]
     assert config.num_speculative_tokens_per_batch_size == [(1, 4, 3), (5, 64, 0)]
+
+
+def test_a_request_without_evidence_probes_its_first_draft_where_rows_are_dear() -> None:
+    # An engine that doubts every draft (prior 0.5) at a cost where only a draft
+    # kept more often than not pays: without the probe nothing is ever tried.
+    policy = policy_with_cost(0.017, 0.0028)
+    req_ids = [f"r{i}" for i in range(8)]
+    assert policy.choose(req_ids, [3] * 8) == [1] * 8
+    for req_id in req_ids:
+        policy.observe_verified(req_id, 1, 0)  # every probe rejected
+    assert policy.choose(req_ids, [3] * 8) == [0] * 8
+    steps = 1
+    while policy.choose(req_ids, [3] * 8) == [0] * 8:
+        steps += 1
+    assert 15 <= steps <= 25  # tried again once the rejections faded

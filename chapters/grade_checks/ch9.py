@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from chapters.grade_checks.common import SMALL_BLOCKS, Check
+from chapters.grade_messages import Label
 from nanoengine import LLM, SamplingParams
 from nanoengine.renderers.hf import TokensPrompt
 from nanoengine.sample.rejection_sampler import _verify_greedy, rejection_sample
@@ -61,40 +62,46 @@ def as_tokens(result: Any) -> Any:
         return result.tolist()
     if isinstance(result, list | tuple):
         return [int(t) if isinstance(t, torch.Tensor) and t.numel() == 1 else t for t in result]
-    return f"{result!r}, not a list"
+    return result
 
 
 def verify(drafts: list[int], argmaxes: list[int], seed: int = 0) -> tuple[str, Any]:
     """One labeled call: ``drafts`` against rows whose argmaxes are ``argmaxes``."""
     assert len(argmaxes) == len(drafts) + 1, "a request with k drafts has k + 1 rows"
-    label = f"drafts {drafts}, argmax of each row {argmaxes}"
-    return label, as_tokens(_verify_greedy(list(drafts), scores(argmaxes, seed)))
+    return rows_label(drafts, argmaxes), as_tokens(_verify_greedy(list(drafts), scores(argmaxes, seed)))
+
+
+def rows_label(drafts: list[int], argmaxes: list[int], what: str = "", what_zh: str = "") -> Label:
+    """"drafts [4, 9], argmax of each row [4, 9, 2]", in both languages, ``what`` after a colon."""
+    return Label(f"drafts {drafts}, argmax of each row {argmaxes}" + (f": {what}" if what else ""),
+                 f"草稿 {drafts}，各行的 argmax {argmaxes}" + (f"：{what_zh}" if what_zh else ""))
 
 
 def _type_name(value: Any) -> str:
+    # Type names only: they read the same in both languages.
     if isinstance(value, torch.Tensor):
-        return f"a tensor ({value.dtype})"
+        return f"torch.Tensor({value.dtype})"
     return type(value).__name__
 
 
 # ------------------------------------------------------ 9.1 _verify_greedy
 def python_ints(model: str) -> dict[str, Any]:
     """Drafts `[4, 9]` against rows whose argmaxes are `[4, 9, 2]` (both kept), then `[4, 5, 2]`
-    (the second rejected): the type of the result and the types of the tokens in it.
+    (`d_1` rejected): the type of the result and the types of the tokens in it.
     """
     table: dict[str, Any] = {}
     for argmaxes in ([4, 9, 2], [4, 5, 2]):
         result = _verify_greedy([4, 9], scores(argmaxes))
-        label = f"drafts [4, 9], argmax of each row {argmaxes}"
-        table[f"{label}: returned"] = _type_name(result)
+        table[rows_label([4, 9], argmaxes, "the type returned", "返回值的类型")] = _type_name(result)
         items = result if isinstance(result, list | tuple) else []
-        table[f"{label}: its tokens are"] = sorted({_type_name(t) for t in items}) or "none"
+        table[rows_label([4, 9], argmaxes, "the types of its tokens", "其中 token 的类型")] = sorted(
+            {_type_name(t) for t in items})
     return table
 
 
 def rejected_draft(model: str) -> dict[str, Any]:
-    """Drafts `[3, 8]` against argmaxes `[5, 6, 1]` and `[7, 7, 7]` against `[2, 9, 9, 9]` (the
-    first draft is wrong); `[4, 4, 3]` against `[4, 4, 4, 6]` (the third is wrong).
+    """Drafts `[3, 8]` against argmaxes `[5, 6, 1]` and `[7, 7, 7]` against `[2, 9, 9, 9]` (`d_0`
+    is wrong); `[4, 4, 3]` against `[4, 4, 4, 6]` (`d_2` is wrong).
     """
     return dict(verify(d, a) for d, a in (([3, 8], [5, 6, 1]), ([7, 7, 7], [2, 9, 9, 9]), ([4, 4, 3], [4, 4, 4, 6])))
 
@@ -136,7 +143,8 @@ def ties(model: str) -> dict[str, Any]:
         row, other = next(iter(tie.items()))
         assert int(rows[row].argmax()) == argmaxes[row], "torch's argmax takes the first of equal scores"
         shared = sorted((argmaxes[row], other))
-        label = f"drafts {drafts}, row {row}'s best score shared by tokens {shared[0]} and {shared[1]}"
+        label = Label(f"drafts {drafts}, row {row}'s best score shared by tokens {shared[0]} and {shared[1]}",
+                      f"草稿 {drafts}，第 {row} 行的最高分由 token {shared[0]} 和 {shared[1]} 并列")
         table[label] = as_tokens(_verify_greedy(list(drafts), rows))
     return table
 
@@ -158,7 +166,9 @@ def random_batches(model: str) -> dict[str, Any]:
             argmaxes.append(best)
         logits = torch.cat([scores(best, seed=100 * batch + i) for i, best in enumerate(argmaxes)])
         emitted = rejection_sample(drafts, logits, [True] * 3)
-        table[f"batch {batch}: drafts {drafts}, argmax of each row {argmaxes}"] = [as_tokens(e) for e in emitted]
+        label = Label(f"batch {batch}: drafts {drafts}, argmax of each row {argmaxes}",
+                      f"第 {batch} 个 batch：草稿 {drafts}，各行的 argmax {argmaxes}")
+        table[label] = [as_tokens(e) for e in emitted]
     return table
 
 
@@ -168,8 +178,10 @@ def random_batches(model: str) -> dict[str, Any]:
 # n-gram proposer's drafts are kept, rejected, and sometimes kept whole.
 SPEC_PROMPTS = [[160] * 3, [230] * 3, [40] * 3, [280] * 3]
 SPEC_MAX_TOKENS = 24
+# Every draft verified (draft_length="fixed"): the adaptive default drops drafts
+# by measured step times, and the counts below must be the same on every run.
 NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                         "prompt_lookup_max": 3}
+                         "prompt_lookup_max": 3, "draft_length": "fixed"}
 # Plain decoding finishes in SPEC_MAX_TOKENS steps, and every step emits at
 # least one token per request. A verification that emits nothing would keep
 # the engine stepping forever: the run stops here and says so.
@@ -224,23 +236,31 @@ def e2e_same_as_plain(model: str) -> dict[str, Any]:
     """
     plain, spec = plain_run(model), _generate(model, speculative_config=NGRAM)
     # The summary first: a failure lists at most a dozen differing places.
+    k = NGRAM["num_speculative_tokens"]
     table: dict[str, Any] = {
-        f"every request finished within {MAX_STEPS} engine steps": spec.finished,
-        "every request's tokens are plain greedy decoding's": spec.token_ids == plain.token_ids,
-        "drafted tokens verified": spec.num_draft_tokens,
-        "drafts kept": spec.num_accepted_tokens,
-        f"steps that kept all {NGRAM['num_speculative_tokens']} drafts (and added a bonus token)": spec.num_all_kept,
-        f"engine steps (plain decoding: {plain.steps})": spec.steps,
+        Label(f"every request finished within {MAX_STEPS} engine steps",
+              f"每个请求都在 {MAX_STEPS} 个引擎步以内完成"): spec.finished,
+        Label("every request's tokens are plain greedy decoding's",
+              "每个请求的 token 都和普通贪心解码的一样"): spec.token_ids == plain.token_ids,
+        Label("drafted tokens verified", "验证过的草稿 token 数"): spec.num_draft_tokens,
+        Label("drafts kept", "留下的草稿数"): spec.num_accepted_tokens,
+        Label(f"steps that kept all {k} drafts (and added a bonus token)",
+              f"{k} 个草稿全部留下（并补上 bonus token）的步数"): spec.num_all_kept,
+        Label(f"engine steps (plain decoding: {plain.steps})",
+              f"引擎步数（普通贪心解码：{plain.steps}）"): spec.steps,
     }
     for prompt, token_ids in zip(SPEC_PROMPTS, spec.token_ids):
-        table[f"prompt {prompt}: greedy tokens with n-gram drafts"] = token_ids
+        label = Label(f"a prompt that repeats token {prompt[0]} {len(prompt)} times, up to {k} drafts proposed "
+                      "each step: the tokens",
+                      f"把 token {prompt[0]} 重复 {len(prompt)} 次的 prompt，每步最多提议 {k} 个草稿：生成的 token")
+        table[label] = token_ids
     return table
 
 
 CHECKS: dict[str, tuple[Check, ...]] = {
     "9.1": (Check("returns a list of Python ints", python_ints),
             Check("a rejected draft: the target's token takes its place, and the step ends there", rejected_draft),
-            Check("draft j is judged by row j, not row j + 1", draft_j_against_row_j),
+            Check("draft d_j is judged by row j, not row j + 1", draft_j_against_row_j),
             Check("only the matching prefix is kept: a later draft that matches does not count",
                   matching_prefix_only),
             Check("every draft kept: the drafts, then the bonus token of the last row", bonus_token),

@@ -24,6 +24,10 @@ The rule: a step with ``N`` expected tokens and ``T`` expected seconds gains by
 one more draft worth ``p`` expected tokens and ``b`` seconds exactly when
 ``(N + p) / (T + b) > N / T``, that is when ``p > b * N / T``. All requests'
 candidate drafts are offered in order of ``p``, largest first, until one fails.
+One exception explores: a request whose own evidence has faded to almost
+nothing verifies its first draft whatever the rule says. Without it a request
+the rule never tries would never be measured, and where rows are dear (a large
+batch) an engine that starts doubtful would never try any draft at all.
 Counts fade by ``decay`` every step, towards the whole engine's acceptance, so
 a request whose drafts were all cut gets drafts again if requests like it are
 keeping theirs. Greedy text stays exactly the target's, and sampled text keeps
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # Per step, old evidence keeps this share of its weight: about the last ten
 # steps of a request decide, so a request that stops copying is noticed soon.
@@ -51,6 +56,10 @@ DECAY = 0.9
 # Pseudo-counts of the engine-wide rate in every request's estimate: a new
 # request starts at the engine's rate, and a request without drafts returns to it.
 PRIOR_WEIGHT = 2.0
+# A request whose own kept-plus-rejected count is below this probes its first
+# draft: a new request at once, and one cut after a rejection again once the
+# evidence has faded for about twenty steps (0.9 ** 22 < 0.1).
+PROBE_BELOW = 0.1
 
 
 @dataclass
@@ -64,6 +73,11 @@ class AcceptanceEstimate:
         self.kept += num_accepted
         # The drafts after the first rejected one were never judged: no evidence.
         self.rejected += 1.0 if num_accepted < num_drafted else 0.0
+
+    @property
+    def evidence(self) -> float:
+        """How many judged drafts the estimate rests on, faded."""
+        return self.kept + self.rejected
 
     def fade(self, decay: float) -> None:
         self.kept *= decay
@@ -100,6 +114,14 @@ class StepCostModel:
         spread = sum((r - mean_r) ** 2 for r, _ in points)
         slope = sum((r - mean_r) * (s - mean_s) for r, s in points) / spread
         return mean_s - slope * mean_r, slope
+
+
+class _Offer(NamedTuple):
+    """One draft the policy may verify: its expected tokens, whose it is."""
+
+    worth: float  # the chance it is kept, rate ** (j + 1) for the draft at index j
+    index: int  # the request's place in the batch
+    probe: bool  # verified whatever it is worth: the request's evidence has faded
 
 
 class DraftLengthPolicy:
@@ -146,12 +168,13 @@ class DraftLengthPolicy:
         offers = []
         for index, (req_id, proposed) in enumerate(zip(req_ids, num_proposed)):
             rate = self.acceptance_rate(req_id)
-            offers += [(rate ** (j + 1), index) for j in range(proposed)]
-        offers.sort(key=lambda offer: -offer[0])
+            probe = self.by_request.get(req_id, AcceptanceEstimate()).evidence < PROBE_BELOW
+            offers += [_Offer(rate ** (j + 1), index, probe and j == 0) for j in range(proposed)]
+        offers.sort(key=lambda offer: (not offer.probe, -offer.worth))  # probes first
         chosen = [0] * num_reqs
         tokens, seconds = float(num_reqs), start + per_row * num_reqs
-        for worth, index in offers:
-            if worth * seconds <= per_row * tokens:
+        for worth, index, probe in offers:
+            if not probe and worth * seconds <= per_row * tokens:
                 break  # this draft, and every later one, lowers tokens per second
             chosen[index] += 1
             tokens, seconds = tokens + worth, seconds + per_row
