@@ -120,7 +120,7 @@ class _Offer(NamedTuple):
     """One draft the policy may verify: its expected tokens, whose it is."""
 
     worth: float  # the chance it is kept, rate ** (j + 1) for the draft at index j
-    index: int  # the request's place in the batch
+    request: int  # its place in the batch
     probe: bool  # verified whatever it is worth: the request's evidence has faded
 
 
@@ -173,10 +173,10 @@ class DraftLengthPolicy:
         offers.sort(key=lambda offer: (not offer.probe, -offer.worth))  # probes first
         chosen = [0] * num_reqs
         tokens, seconds = float(num_reqs), start + per_row * num_reqs
-        for worth, index, probe in offers:
+        for worth, request, probe in offers:
             if not probe and worth * seconds <= per_row * tokens:
                 break  # this draft, and every later one, lowers tokens per second
-            chosen[index] += 1
+            chosen[request] += 1
             tokens, seconds = tokens + worth, seconds + per_row
         return chosen
 
