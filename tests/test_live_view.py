@@ -290,6 +290,15 @@ def test_the_served_page_wants_the_key_streams_frames_and_survives_a_hang_up(
         assert httpx.get(f"{url}/ui", timeout=10).status_code == 200  # the page holds no data
         refused = httpx.get(f"{url}/ui/api/state", timeout=10)
         assert refused.status_code == 401 and "API key" in refused.json()["error"]["message"]
+        # The schema tells the truth about the page's routes too (issue 41).
+        paths = httpx.get(f"{url}/openapi.json", timeout=10).json()["paths"]
+        documented = {path: list(paths[path]["get"]["responses"]["200"].get("content", {}))
+                      for path in ("/ui", "/ui/viewer.js", "/ui/viewer.css", "/ui/api/feed", "/ui/api/state")}
+        assert documented == {"/ui": ["text/html"], "/ui/viewer.js": ["text/javascript"],
+                              "/ui/viewer.css": ["text/css"], "/ui/api/feed": ["text/event-stream"],
+                              "/ui/api/state": ["application/json"]}
+        control = paths["/ui/api/control"]["post"]
+        assert {"400", "401", "403"} <= set(control["responses"]) and "422" not in control["responses"]
         auth = {"Authorization": f"Bearer {API_KEY}"}
         # A feed read for one frame, then dropped mid-stream while a request runs.
         completion = threading.Thread(target=lambda: httpx.post(

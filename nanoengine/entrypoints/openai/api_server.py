@@ -17,6 +17,11 @@ unknown model -- and the server goes on serving. When the mistake is one
 field's value, ``param`` names the field, as vLLM's does. A client that
 disconnects, streaming or not, has its request aborted in the core at once.
 
+``/openapi.json`` documents what each route answers (``openapi_docs.py``):
+JSON or ``text/event-stream``, Prometheus text for ``/metrics``, an empty
+``/health``, and the error bodies above; its request schemas carry the same
+ranges the server enforces (``schema_notes.py``).
+
 At ``--uvicorn-log-level info`` (the default, as in vLLM) uvicorn logs one
 access line per request; a request carrying fields the server does not know
 is served, and the fields are named in a warning.
@@ -55,18 +60,29 @@ from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.engine.async_llm import AsyncLLM
 from nanoengine.engine.exceptions import EngineDeadError
 from nanoengine.entrypoints.openai.metrics import ServerMetrics
+from nanoengine.entrypoints.openai.openapi_docs import HEALTH, METRICS, errors, finish, generation
 from nanoengine.entrypoints.openai.protocol import (
     DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelPermission,
     RequestModel,
     TokenizeRequest,
+    TokenizeResponse,
     conversation,
 )
-from nanoengine.entrypoints.openai.protocol_chat import ChatCompletionRequest
-from nanoengine.entrypoints.openai.protocol_completion import CompletionRequest
+from nanoengine.entrypoints.openai.protocol_chat import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+)
+from nanoengine.entrypoints.openai.protocol_completion import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+)
 from nanoengine.entrypoints.openai.serving import NEEDS_TOKENIZER
 from nanoengine.entrypoints.openai.serving_chat import OpenAIServingChat
 from nanoengine.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -113,6 +129,9 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
         engine.shutdown()
 
     app = FastAPI(title="nanoengine", lifespan=lifespan)
+    framework_schema = app.openapi
+    # FastAPI builds the schema on the first request for it; finish() amends it then.
+    app.openapi = lambda: finish(framework_schema())  # type: ignore[method-assign]
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -145,7 +164,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
                                        f"{served_model_name!r}.", "model")
         return None
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=HEALTH)
     async def health() -> Response:
         return Response(status_code=503 if engine.errored else 200)
 
@@ -153,13 +172,14 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=errors(401))
     async def models() -> dict[str, Any]:
         card = ModelCard(id=served_model_name, root=model_config.model, max_model_len=model_config.max_model_len,
                          permission=[ModelPermission()])
         return {"object": "list", "data": [card.model_dump()]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None,
+              responses=generation(CompletionResponse, CompletionStreamResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         if (refused := check_model(body)) is not None:
             return refused
@@ -169,7 +189,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
             return client_error(error)
         return await _respond(request, completion_serving.create_completion(body, params, prompts))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=generation(ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         if (refused := check_model(body)) is not None:
             return refused
@@ -179,7 +200,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
             return client_error(error)
         return await _respond(request, chat_serving.create_chat_completion(body, params, prompt))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=None, responses={200: {"model": TokenizeResponse}, **errors(400, 404)})
     async def tokenize(body: TokenizeRequest) -> Response:
         if (refused := check_model(body)) is not None:
             return refused
@@ -196,7 +217,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
         return JSONResponse({"count": len(tokens), "max_model_len": model_config.max_model_len, "tokens": tokens,
                              "token_strs": strs})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None,
+              responses={200: {"model": DetokenizeResponse}, **errors(400, 404)})
     async def detokenize(body: DetokenizeRequest) -> Response:
         if (refused := check_model(body)) is not None:
             return refused
@@ -206,7 +228,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
             return error_response(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab_size}).", "tokens")
         return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS)
     async def prometheus_metrics() -> Response:
         if not engine.errored:
             metrics.update_engine_stats(await engine.get_stats())

@@ -23,6 +23,12 @@ of vLLM's two spellings, OpenAI's ``response_format`` (``json_object``,
 that names it, never ignored; a field nobody declared is kept aside and named
 in a warning in the log.
 
+``/openapi.json`` shows every range a field must be in, including those
+``SamplingParams`` checks: ``schema_notes.documented`` writes them into the
+field's schema without a second check, so the refusal keeps vLLM's message
+and ``param``. What no schema can say (a rule joining two fields, or a field
+and the loaded model) is listed in ``schema_notes.SCHEMA_EXCEPTIONS``.
+
 Responses carry every field vLLM's carry, ``null`` where there is nothing to
 say (``"logprobs": null``, ``"stop_reason": null``), so a client reading the raw
 JSON finds the keys it expects. Stream chunks hold only the fields their maker
@@ -42,14 +48,26 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from nanoengine.entrypoints.openai.schema_notes import documented, only
 from nanoengine.exceptions import ValidationError
-from nanoengine.sampling_params import RequestOutputKind, StructuredOutputsParams
+from nanoengine.sampling_params import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ABS_PENALTY,
+    MAX_N,
+    RequestOutputKind,
+    StructuredOutputsParams,
+)
 
 # The most top logprobs one position may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
 # Seeds travel as C int64 in vLLM; the same range here.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+# SamplingParams enforces the penalties' range; the schema only repeats it.
+PENALTY_RANGE = documented(minimum=-MAX_ABS_PENALTY, maximum=MAX_ABS_PENALTY)
+# The one kind of content part the server reads (text() refuses the others).
+TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+             "required": ["type", "text"]}
 
 
 class OpenAIModel(BaseModel):
@@ -120,46 +138,59 @@ class SamplingFields(RequestModel):
     """The fields both request kinds share, mapped one to one onto ``SamplingParams``."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
+    # The ranges below are SamplingParams' own, only repeated for the schema's readers.
+    n: int = Field(default=1, json_schema_extra=documented(minimum=1, maximum=MAX_N))
+    temperature: float | None = Field(default=None, json_schema_extra=documented(minimum=0))
+    top_p: float | None = Field(default=None, json_schema_extra=documented(exclusiveMinimum=0, maximum=1))
+    # An empty stop string would stop before the first token; SamplingParams refuses it.
+    stop: str | list[str] | None = Field(default=None, json_schema_extra=documented(
+        minLength=1, items={"minLength": 1}))
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(default=0.0, json_schema_extra=PENALTY_RANGE)
+    frequency_penalty: float = Field(default=0.0, json_schema_extra=PENALTY_RANGE)
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="Token id (a decimal string, below the model's vocabulary size) to bias.",
+        json_schema_extra=documented(propertyNames={"pattern": "^[0-9]{1,9}$"}, additionalProperties={
+            "type": "number", "minimum": -MAX_ABS_LOGIT_BIAS, "maximum": MAX_ABS_LOGIT_BIAS}))
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(default=None, description="Only with stream=true.")
     echo: bool = False
     # vLLM's extras.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    # JSON Schema has no "-1 or at least 1"; "not 0" beside minimum -1 says it.
+    top_k: int | None = Field(default=None, description="-1 disables top-k; 0 is refused.",
+                              json_schema_extra=documented(minimum=-1, maximum=INT64_MAX, **{"not": {"const": 0}}))
+    min_p: float | None = Field(default=None, json_schema_extra=documented(minimum=0, maximum=1))
+    repetition_penalty: float | None = Field(default=None, json_schema_extra=documented(exclusiveMinimum=0))
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, description="At most max_tokens, and prompt + min_tokens within max_model_len.",
+                            json_schema_extra=documented(minimum=0, maximum=INT64_MAX))
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(
+        default=None, description="Token ids below the model's vocabulary size.",
+        json_schema_extra=documented(items={"minimum": 0, "maximum": INT64_MAX}))
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, description="Not with stream=true.")
     return_token_ids: bool = False
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsIn | None = None
+    structured_outputs: StructuredOutputsIn | None = Field(default=None, description="Not with response_format.")
     # Chapter 10: prefill on one server, decode on another (vLLM's field; the
     # proxy sets it, nanoengine/entrypoints/disagg_proxy.py).
-    kv_transfer_params: dict[str, Any] | None = None
-    # Not implemented here; declared so that asking for them is refused, not ignored.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    continue_final_message: bool | None = None
-    guided_choice: Any = None
-    guided_regex: Any = None
-    guided_json: Any = None
-    guided_grammar: Any = None
-    use_beam_search: bool | None = None
-    suffix: str | None = None
+    kv_transfer_params: dict[str, Any] | None = Field(
+        default=None, description="Only for a server with a KV connector (chapter 10); needs n=1.")
+    # Not implemented here; declared so that asking for them is refused, not ignored,
+    # and documented as the only values that pass: null, or what asks for nothing.
+    tools: list[Any] | None = Field(default=None, json_schema_extra=only({"type": "null"}))
+    tool_choice: Any = Field(default=None, json_schema_extra=only({"enum": [None, "none"]}))
+    functions: list[Any] | None = Field(default=None, json_schema_extra=only({"type": "null"}))
+    function_call: Any = Field(default=None, json_schema_extra=only({"type": "null"}))
+    continue_final_message: bool | None = Field(default=None, json_schema_extra=only({"enum": [None, False]}))
+    guided_choice: Any = Field(default=None, json_schema_extra=only({"type": "null"}))
+    guided_regex: Any = Field(default=None, json_schema_extra=only({"type": "null"}))
+    guided_json: Any = Field(default=None, json_schema_extra=only({"type": "null"}))
+    guided_grammar: Any = Field(default=None, json_schema_extra=only({"type": "null"}))
+    use_beam_search: bool | None = Field(default=None, json_schema_extra=only({"enum": [None, False]}))
+    suffix: str | None = Field(default=None, json_schema_extra=only({"type": "null"}))
 
     def _refuse_unsupported(self) -> None:
         asked = [name for name in UNSUPPORTED_FIELDS
@@ -244,8 +275,8 @@ def _token_id(key: str) -> int:
 
 
 class ChatMessage(OpenAIModel):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: str = Field(json_schema_extra=documented(enum=list(CHAT_ROLES)))
+    content: str | list[dict[str, Any]] | None = Field(default=None, json_schema_extra=documented(items=TEXT_PART))
 
     @field_validator("role")
     @classmethod
@@ -293,15 +324,28 @@ class TokenizeRequest(RequestModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    # An empty conversation is refused by the chat template's renderer.
+    messages: list[ChatMessage] | None = Field(default=None, json_schema_extra=documented(minItems=1))
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str
+
+
 class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[int] = Field(description="Token ids below the model's vocabulary size.",
+                              json_schema_extra=documented(items={"type": "integer", "minimum": 0}))
 
 
 class ModelPermission(OpenAIModel):

@@ -26,6 +26,7 @@ from nanoengine.entrypoints.openai.protocol import (
     UsageInfo,
     conversation,
 )
+from nanoengine.entrypoints.openai.schema_notes import documented
 from nanoengine.exceptions import ValidationError
 from nanoengine.sampling_params import SamplingParams
 
@@ -34,13 +35,13 @@ class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: a conversation to answer."""
 
     # Not min_length=1 for pydantic: an empty list is refused in conversation(), as vLLM refuses it.
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra=documented(minItems=1))
     # None: until the context is full (vLLM's default for chat; completions default to 16).
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     # Chat asks for logprobs with a flag and counts alternatives apart; completions use one number.
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, description="Only with logprobs=true.")
     # False leaves the assistant's turn unopened (the template's own argument).
     add_generation_prompt: bool = True
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from nanoengine.entrypoints.openai.protocol import (
     MAX_TOP_LOGPROBS,
@@ -24,16 +24,29 @@ from nanoengine.entrypoints.openai.protocol import (
     SamplingFields,
     UsageInfo,
 )
+from nanoengine.entrypoints.openai.schema_notes import documented, required
 from nanoengine.sampling_params import SamplingParams
+
+
+def _prompt_schema(schema: dict[str, Any]) -> None:
+    """Required, and no empty string or list at either level (``_prompt_list`` refuses them)."""
+    required(schema)
+    schema.update(documented(minLength=1, minItems=1, items={"minLength": 1, "minItems": 1, "minimum": 0,
+                                                             "items": {"minimum": 0}}))
 
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: a text prompt (or token ids) to continue."""
 
+    model_config = ConfigDict(allow_inf_nan=False, extra="allow", json_schema_extra={"required": ["prompt"]})
+
     # Optional to pydantic so that a missing prompt gets the same 400 as an empty one.
-    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] | None = Field(
+        default=None, description="Required and non-empty; token ids below the model's vocabulary size, "
+        "and its tokens plus max_tokens within max_model_len.",
+        json_schema_extra=_prompt_schema)
     # OpenAI's default for completions; chat has none (the rest of the context).
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, description="With the prompt, within max_model_len.")
     # How many alternatives per position besides the chosen token (so up to logprobs + 1 entries).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 

@@ -33,9 +33,10 @@ from typing import Any, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from nanoengine.entrypoints.openai.api_server import error_response
+from nanoengine.entrypoints.openai.openapi_docs import errors, text
 from nanoengine.instruments.live_view.feed import ACTIONS, LiveFeed
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -88,7 +89,8 @@ def read_feed(feed: LiveFeed, after_step: int) -> dict[str, Any]:
 
 
 class ControlBody(BaseModel):
-    action: str
+    # Documented as an enum, checked by hand: the refusal then names the choices.
+    action: str = Field(json_schema_extra={"enum": list(ACTIONS)})
 
 
 def sse(event: str, data: Any) -> str:
@@ -123,30 +125,32 @@ def live_view_router(source: FrameSource, allow_control: bool) -> APIRouter:
     """The page and its data routes, over ``source``."""
     router = APIRouter()
 
-    @router.get("/ui")
+    # Each route documents what it really sends (/openapi.json, chapter 8).
+    @router.get("/ui", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
         return HTMLResponse(static_text("live.html").replace("__ALLOW_CONTROL__", json.dumps(allow_control)))
 
-    @router.get("/ui/viewer.js")
+    @router.get("/ui/viewer.js", response_class=Response, responses=text("text/javascript", "The page's script."))
     async def script() -> Response:
         return Response(static_text("viewer.js"), media_type="text/javascript")
 
-    @router.get("/ui/viewer.css")
+    @router.get("/ui/viewer.css", response_class=Response, responses=text("text/css", "The page's style sheet."))
     async def style() -> Response:
         return Response(static_text("viewer.css"), media_type="text/css")
 
-    @router.get("/ui/api/feed")
+    @router.get("/ui/api/feed", response_class=StreamingResponse, responses={
+        **text("text/event-stream", "Server-sent events: hello, then frame and gate events, then end."), **errors(401)})
     async def feed(request: Request, after: int = -1) -> StreamingResponse:
         return StreamingResponse(feed_events(source, after, request), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    @router.get("/ui/api/state")
+    @router.get("/ui/api/state", responses=errors(401))
     async def state() -> dict[str, Any]:
         answer = await source.read(-1)
         frames = answer["frames"]
         return {"meta": answer["meta"], "gate": answer["gate"], "frame": frames[-1] if frames else None}
 
-    @router.post("/ui/api/control", response_model=None)
+    @router.post("/ui/api/control", response_model=None, responses=errors(400, 401, 403))
     async def control(body: ControlBody) -> dict[str, Any] | JSONResponse:
         if not allow_control:
             return error_response(403, "This server's live view is read-only: start it with --enable-ui-control "
