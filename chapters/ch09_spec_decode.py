@@ -22,7 +22,8 @@ a prompt that asks the model to repeat a passage, and prints:
    identical (they must be).
 
     python -m chapters.ch09_spec_decode [--model DIR] [--max-tokens N] [-k K]
-                                        [--dtype float32] [--repeats N] [--skip-speed]
+                                        [--draft-length {fixed,adaptive}] [--dtype float32]
+                                        [--repeats N] [--skip-speed]
 
 vLLM 0.32 counterpart: ``vllm/v1/spec_decode/ngram_proposer.py``,
 ``vllm/v1/sample/rejection_sampler.py``, ``vllm/v1/core/sched/scheduler.py``
@@ -41,6 +42,7 @@ from rich.table import Table
 
 from chapters._common import base_parser, console, engine_parts
 from nanoengine import LLM, SamplingParams
+from nanoengine.engine import FinishReason
 from nanoengine.instruments.method_taps import tap
 from nanoengine.platforms.cpu import describe_cpu
 from nanoengine.request import Request
@@ -83,6 +85,10 @@ class StepRecord:
     sampled: list[int]  # what the worker returned: kept drafts, then one token of the target's
     num_accepted: int
     num_rejected: int
+    # Of ``sampled``, the tokens the request kept: the rest fell past max_tokens
+    # (or after a stop token) and were dropped by update_from_output().
+    num_appended: int
+    finish_reason: FinishReason | None  # None while the request runs
 
     @property
     def is_prefill(self) -> bool:
@@ -95,7 +101,7 @@ class SlotRecord:
 
     position: int
     token: int
-    role: str  # "last known token", "draft 1", ...
+    role: str  # "last known token", "draft d_0", ...
     block_id: int
     offset: int
     fate: str  # "verified" or "rejected draft"
@@ -167,6 +173,7 @@ def spec_config(args: argparse.Namespace) -> dict[str, Any]:
         "num_speculative_tokens": args.num_speculative_tokens,
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
+        "draft_length": args.draft_length,
     }
 
 
@@ -190,6 +197,7 @@ def step_by_hand(llm: LLM, request: Request) -> tuple[StepRecord, dict[str, Any]
     blocks = scheduler.kv_cache_manager.get_block_ids
     before = request.num_computed_tokens
     last_known = request.all_token_ids[-4:]
+    num_output_before = len(request.output_token_ids)
     block_ids_before = list(blocks(request.request_id)[0])
 
     scheduler_output = scheduler.schedule()  # books 1 + drafts; counts them all as computed
@@ -210,6 +218,8 @@ def step_by_hand(llm: LLM, request: Request) -> tuple[StepRecord, dict[str, Any]
         step=-1, num_computed_before=before, num_scheduled=num_scheduled, num_computed_booked=booked,
         num_computed_after=request.num_computed_tokens, last_known=last_known, drafts=drafts, sampled=sampled,
         num_accepted=num_accepted, num_rejected=len(drafts) - num_accepted,
+        num_appended=len(request.output_token_ids) - num_output_before,
+        finish_reason=request.get_finished_reason(),
     )
     return record, {"block_ids_before": block_ids_before, "block_ids_after": block_ids_after_schedule}
 
@@ -230,7 +240,7 @@ def rejection_view(llm: LLM, request: Request, record: StepRecord, info: dict[st
         position = record.num_computed_before + j
         block_id, offset = table[position // block_size], position % block_size
         fate = "verified" if j <= record.num_accepted else "rejected draft"
-        slots.append(SlotRecord(position, token, "last known token" if j == 0 else f"draft {j}",
+        slots.append(SlotRecord(position, token, "last known token" if j == 0 else f"draft d_{j - 1}",
                                 block_id, offset, fate))
     manager_blocks = core.scheduler.kv_cache_manager.coordinator.get_blocks(request.request_id)[0]
     cached = [b.block_id for b in manager_blocks if b.block_hash is not None]
@@ -238,10 +248,12 @@ def rejection_view(llm: LLM, request: Request, record: StepRecord, info: dict[st
     return RejectionView(record.step, info["block_ids_before"], table, slots, cached, draft_blocks)
 
 
-def steps_table(llm: LLM, steps: list[StepRecord]) -> Table:
+def steps_table(llm: LLM, steps: list[StepRecord], k: int) -> Table:
     piece = _piece_fn(llm)
     table = Table(title="one request, step by step")
-    table.caption = ("verdict per draft position: ✓ accepted, ✗ the first mismatch, - discarded after it; "
+    names = ", ".join(f"d_{j}" for j in range(k))
+    table.caption = (f"drafts {names} from left to right, row j of the logits judging d_j; "
+                     "verdict per draft: ✓ accepted, ✗ the first mismatch, - discarded after it; "
                      "num_computed_tokens: before the step -> booked by schedule() -> after the roll-back")
     for column in ("step", "last known tokens", "drafts booked", "verdict", "acc/rej", "tokens emitted",
                    "num_computed_tokens"):
@@ -263,6 +275,12 @@ def steps_table(llm: LLM, steps: list[StepRecord]) -> Table:
             last = s.sampled[-1] if s.sampled else None
             kind = "bonus" if s.num_rejected == 0 else "recovered"
             emitted = (kept + " + " if kept else "") + (f"{piece(last)!r} ({kind})" if last is not None else "")
+        dropped = s.sampled[s.num_appended:]
+        if dropped:
+            # The worker verified them, but the request ended first: said here,
+            # so that the table's tokens add up to the answer's.
+            cause = "past max_tokens" if s.finish_reason is FinishReason.LENGTH else "after the stop token"
+            emitted += "; " + " ".join(repr(piece(t)) for t in dropped) + f" dropped: {cause}"
         table.add_row(str(s.step), repr(known), drafts, verdict, counts, emitted,
                       f"{s.num_computed_before} -> {s.num_computed_booked} -> {s.num_computed_after}")
     return table
@@ -360,7 +378,7 @@ def stats_table(stats: SpecDecodingStats) -> Table:
     for column in ("position", "drafted", "accepted", "acceptance"):
         table.add_column(column, justify="right")
     for position, (drafted, accepted) in enumerate(
-        zip(stats.num_draft_tokens_per_pos, stats.num_accepted_tokens_per_pos), start=1
+        zip(stats.num_draft_tokens_per_pos, stats.num_accepted_tokens_per_pos)
     ):
         rate = f"{accepted / drafted:.0%}" if drafted else "-"
         table.add_row(str(position), str(drafted), str(accepted), rate)
@@ -436,6 +454,10 @@ def main(argv: list[str] | None = None) -> Ch09Result:
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3, help="drafts per request and step")
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest suffix the n-gram search matches")
     parser.add_argument("--prompt-lookup-max", type=int, default=4, help="longest suffix the n-gram search matches")
+    parser.add_argument("--draft-length", choices=("fixed", "adaptive"), default="fixed",
+                        help="fixed verifies every draft, so the step table shows every draft and repeats run "
+                             "for run; adaptive is the engine's default, which verifies only the drafts expected "
+                             "to pay for their rows (chapter 9, \"When speculation does not pay\")")
     parser.add_argument("--dtype", default="float32",
                         help="float32 (default) keeps greedy texts identical in practice; in bf16 a "
                              "(k+1)-token step rounds differently from a one-token step and may flip a near tie")
@@ -448,11 +470,14 @@ def main(argv: list[str] | None = None) -> Ch09Result:
     console.rule("1. One request, step by step: drafts, verdicts, the roll-back")
     steps, request, view = run_by_hand(spec_llm, args.max_tokens)
     text = spec_llm.get_tokenizer().decode(request.output_token_ids, skip_special_tokens=True)
-    console.print(steps_table(spec_llm, steps))
+    console.print(steps_table(spec_llm, steps, args.num_speculative_tokens))
     verify_steps = [s for s in steps if s.drafts]
     num_tokens = len(request.output_token_ids)
+    num_sampled = sum(len(s.sampled) for s in steps)
+    # A last step may verify tokens past max_tokens: the table lists them, the answer does not.
+    dropped = f" ({num_sampled} sampled, {num_tokens} kept)" if num_sampled != num_tokens else ""
     console.print(
-        f"{len(steps)} steps for {num_tokens} tokens: 1 prefill, {len(verify_steps)} with drafts, "
+        f"{len(steps)} steps for {num_tokens} tokens{dropped}: 1 prefill, {len(verify_steps)} with drafts, "
         f"{len(steps) - 1 - len(verify_steps)} plain decodes (without speculation: {num_tokens} steps, one per token)"
     )
     console.print(f"text: {text!r}")

@@ -217,7 +217,7 @@ def grade(
 
 def models_used(exercise_id: str, model: str, words: Wording = ENGLISH) -> str:
     """What the exercise's checks run on, in words: "no model (unit check), ..."."""
-    return ", ".join(dict.fromkeys(check.runs_on(model, words.unit_check) for check in CHECKS[exercise_id]))
+    return words.list_separator.join(dict.fromkeys(check.runs_on(model, words.unit_check) for check in CHECKS[exercise_id]))
 
 
 def check_name(exercise_id: str, name: str, words: Wording = ENGLISH) -> str:
@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reset", action="store_true",
                         help="put back the untouched stub of this one exercise (your code in it is lost)")
     parser.add_argument("--lang", choices=tuple(WORDING), default="en",
-                        help="zh: the grader's words and the check names in Chinese (the data shown stays as it is)")
+                        help="zh: the grader's words, the check names and the labels of the cases in Chinese "
+                             "(token ids, code and type names stay as they are)")
     args = parser.parse_args(argv)
     words = WORDING[args.lang]
     exercises = find_exercises()

@@ -12,7 +12,8 @@ it came from.
 
 The grader's own words come in two languages (``WORDING["en"]``,
 ``WORDING["zh"]``, picked by ``--lang``); the labels and values a check
-returns are data and are shown as they are.
+returns are data and are shown as they are, except a ``Label``, which carries
+its Chinese with it.
 
 vLLM 0.32 counterpart: none (teaching material).
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from chapters.exercises import REPO_ROOT
 
@@ -60,6 +61,7 @@ class Wording:
     list_line: str  # {name} {runs_on} {seconds}
     unit_check: str  # what a unit check runs on
     stub_reset: str  # {exercise} {path}
+    list_separator: str  # between the names of a list in one line
 
 
 WORDING = {
@@ -86,6 +88,7 @@ WORDING = {
         list_line="  {name}  [{runs_on}; at most {seconds:.0f} s]",
         unit_check="no model (unit check)",
         stub_reset="Exercise {exercise}: {path} is the untouched stub again.",
+        list_separator=", ",
     ),
     "zh": Wording(
         differs="{where}：应为 {expected}，实际为 {got}",
@@ -110,9 +113,26 @@ WORDING = {
         list_line="  {name}  [{runs_on}；最多 {seconds:.0f} 秒]",
         unit_check="不用模型（单元检查）",
         stub_reset="练习 {exercise}：{path} 已恢复成未改动的 stub。",
+        list_separator="、",
     ),
 }
 ENGLISH = WORDING["en"]
+
+
+class Label(str):
+    """A check's label in both languages. It compares and hashes as its English
+    text, so the reference's result and the student's match key for key; the
+    Chinese grader shows ``zh`` in its place."""
+
+    zh: str
+
+    def __new__(cls, english: str, zh: str) -> Self:
+        label = super().__new__(cls, english)
+        label.zh = zh
+        return label
+
+    def said(self, words: Wording) -> str:
+        return self.zh if words is WORDING["zh"] else str(self)
 
 
 def describe_difference(expected: Any, actual: Any, words: Wording = ENGLISH) -> list[str]:
@@ -142,18 +162,20 @@ def _differences(expected: Any, actual: Any, path: str, words: Wording) -> list[
 def _dict_differences(expected: dict[Any, Any], actual: dict[Any, Any], path: str, words: Wording) -> list[str]:
     found: list[str] = []
     for key, want in expected.items():
-        label = _label(path, key)
+        label = _label(path, key, words)
         if key not in actual:
             found.append(words.missing.format(where=label, expected=repr(want)))
         else:
             found += _differences(want, actual[key], label, words)
-    found += [words.not_expected.format(where=_label(path, key), got=repr(got))
+    found += [words.not_expected.format(where=_label(path, key, words), got=repr(got))
               for key, got in actual.items() if key not in expected]
     return found
 
 
-def _label(path: str, key: Any) -> str:
+def _label(path: str, key: Any, words: Wording) -> str:
     """Top-level string keys read as labels; deeper keys as subscripts."""
+    if not path and isinstance(key, Label):
+        return key.said(words)
     if not path and isinstance(key, str):
         return key
     return f"{path}[{key!r}]"

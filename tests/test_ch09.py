@@ -1,8 +1,8 @@
 """The chapter 9 walkthrough: every step it shows adds up, and the greedy texts match.
 
 On a tiny random model the n-gram search finds nothing to copy, so the first
-test gives the proposer drafts taken from the model's own greedy answer, the
-second of them spoiled every other step: accepted, rejected, bonus and
+test gives the proposer drafts taken from the model's own greedy answer, with
+d_1 spoiled at one length in three: accepted, rejected, bonus and
 recovered tokens then occur at known steps, and every number the walkthrough
 prints can be checked exactly. The second test runs it as a learner would, on
 SmolLM2 with the real n-gram proposer.
@@ -39,6 +39,9 @@ def _check_every_step_adds_up(result: ch09_spec_decode.Ch09Result) -> None:
         assert s.sampled[: s.num_accepted] == s.drafts[: s.num_accepted]
         assert s.num_computed_booked == s.num_computed_before + s.num_scheduled  # schedule() counts all
         assert s.num_computed_after == s.num_computed_booked - s.num_rejected  # the roll-back
+    # The answer is what the rows append; only the last step can verify past its end.
+    assert sum(s.num_appended for s in steps) == len(result.output_token_ids)
+    assert all(s.num_appended == len(s.sampled) for s in steps[:-1])
     verified = [s for s in steps if s.drafts]
     stats = result.stats
     assert stats.num_drafts == len(verified)
@@ -81,7 +84,7 @@ def test_ch09_on_a_tiny_model_with_drafts_that_are_right_or_spoiled(
     answer_ids = list(answer[0].outputs[0].token_ids)
     reference = rendered["prompt_token_ids"] + answer_ids
     plain.llm_engine.shutdown()
-    spoiled_at: set[int] = set()  # lengths at which the second draft was spoiled
+    spoiled_at: set[int] = set()  # lengths at which d_1 was spoiled
 
     def propose(self: NgramProposer, token_ids: Sequence[Sequence[int]]) -> list[list[int]]:
         drafts: list[list[int]] = []
@@ -112,7 +115,7 @@ def test_ch09_on_a_tiny_model_with_drafts_that_are_right_or_spoiled(
     assert len(verified) >= 2
     for s in verified:
         n = s.num_computed_before + 1  # known tokens when the proposer drafted
-        if n in spoiled_at:  # the first draft is right, the second spoiled: 1 accepted, the rest rejected
+        if n in spoiled_at:  # d_0 is right, d_1 spoiled: 1 accepted, the rest rejected
             assert (s.num_accepted, s.num_rejected) == (1, len(s.drafts) - 1)
             assert s.sampled[-1] == reference[n + 1]  # the recovered token is the target's own choice
         else:

@@ -239,6 +239,35 @@ def test_grade_cli_speaks_chinese_with_lang_zh(tiny_llama: str, capsys: pytest.C
     assert "[不用模型（单元检查）；最多 30 秒]" in capsys.readouterr().out
 
 
+# Exercises whose checks label their data in both languages (``Label``).
+BILINGUAL_LABELS = ("9.1",)
+
+
+@pytest.mark.parametrize("exercise_id", BILINGUAL_LABELS)
+def test_grade_lang_zh_names_every_check_and_label_in_chinese(exercise_id: str, tiny_llama: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The reference, graded with ``--lang zh``: every check title it prints, and every
+    label a failure would print, holds Chinese (English words among them may stay)."""
+    import re
+
+    import chapters.grade
+    from chapters.grade_messages import WORDING, describe_difference
+
+    han = re.compile(r"[\u4e00-\u9fff]")
+    zh = WORDING["zh"]
+    assert chapters.grade.main([exercise_id, "--model", tiny_llama, "--reference", "--lang", "zh"]) == 0
+    marks = f"  [{zh.check_ok}] "
+    titles = [line.removeprefix(marks) for line in capsys.readouterr().out.splitlines() if line.startswith(marks)]
+    assert len(titles) == len(CHECKS[exercise_id]), titles
+    assert all(han.search(title) for title in titles), titles
+    for check in CHECKS[exercise_id]:
+        for label, value in _reference_result(exercise_id, check.name, tiny_llama).items():
+            # As a student whose result lacks this entry would read it, less the grader's own words.
+            (line,) = describe_difference({label: value}, {}, zh)
+            shown = line.removesuffix(zh.missing.format(where="", expected=repr(value)))
+            assert han.search(shown), (check.name, shown)
+
+
 def test_every_check_has_a_chinese_name_and_inputs() -> None:
     import re
 

@@ -708,18 +708,18 @@ CHINESE: dict[str, dict[str, tuple[str, str]]] = {
             "返回 Python int 的列表",
             (
                 "草稿 `[4, 9]`，各行的 argmax 先是 `[4, 9, 2]`（两个都留下），再是 `[4, 5, "
-                "2]`（第二个被拒绝）：结果的类型，以及结果里每个 token 的类型。"
+                "2]`（`d_1` 被拒绝）：结果的类型，以及结果里每个 token 的类型。"
             ),
         ),
         "a rejected draft: the target's token takes its place, and the step ends there": (
             "草稿被拒绝：目标模型的 token 顶替它，这一步到此结束",
             (
-                "草稿 `[3, 8]` 对 argmax `[5, 6, 1]`，`[7, 7, 7]` 对 `[2, 9, 9, 9]`（第一个草稿就错了）；"
-                "`[4, 4, 3]` 对 `[4, 4, 4, 6]`（第三个错了）。"
+                "草稿 `[3, 8]` 对 argmax `[5, 6, 1]`，`[7, 7, 7]` 对 `[2, 9, 9, 9]`（`d_0` 就错了）；"
+                "`[4, 4, 3]` 对 `[4, 4, 4, 6]`（`d_2` 错了）。"
             ),
         ),
-        'draft j is judged by row j, not row j + 1': (
-            "草稿 j 由第 j 行来判，不是第 j + 1 行",
+        'draft d_j is judged by row j, not row j + 1': (
+            "草稿 d_j 由第 j 行来判，不是第 j + 1 行",
             (
                 "草稿 `[5, 9]` 对 argmax `[4, 5, 9]`，`[4, 9]` 对 `[4, 5, 9]`，`[6]` 对 `[2, 6]`："
                 "在自己那一行错了的草稿，正好是下一行的 argmax。"

@@ -42,9 +42,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "9.1",
-        "off by one: compares draft j with row j + 1",
+        "off by one: compares draft d_j with row j + 1",
         mutate("9.1", (MATCH, "drafts[kept] == choices[kept + 1]")),
-        caught_by="draft j is judged by row j, not row j + 1",
+        caught_by="draft d_j is judged by row j, not row j + 1",
     ),
     Mutant(
         "9.1",
