@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from server_helpers import API_KEY, NANOENGINE, free_port, serve_command
+from server_helpers import API_KEY, NANOENGINE, free_port_run, serve_command
 
 MAX_MODEL_LEN = 2048
 # fp32: in bf16 the decode side's own pass over the last prompt token rounds differently
@@ -33,10 +33,11 @@ def long_context_model(tiny_model: str, tmp_path: Path) -> str:
 
 
 def kv_config(role: str, **fields: Any) -> str:
-    """``--kv-transfer-config`` for the ZmqConnector; a producer gets a free port of its own."""
+    """``--kv-transfer-config`` for the ZmqConnector; a producer gets free ports of its own
+    (one per rank, up to the two ranks the tensor-parallel test runs)."""
     config: dict[str, Any] = {"kv_connector": "ZmqConnector", "kv_role": role, **fields}
     if role == "kv_producer":
-        config.setdefault("kv_port", free_port())
+        config.setdefault("kv_port", free_port_run(2))
     return json.dumps(config)
 
 

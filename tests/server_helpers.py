@@ -29,6 +29,24 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def free_port_run(count: int, tries: int = 50) -> int:
+    """The first of ``count`` consecutive free ports: a KV block server listens on
+    ``kv_port + rank``, so a tensor-parallel producer needs a run of them."""
+    for _ in range(tries):
+        first = free_port()
+        probes = [socket.socket() for _ in range(count)]
+        try:
+            for offset, probe in enumerate(probes):
+                probe.bind(("127.0.0.1", first + offset))
+            return first
+        except OSError:
+            continue  # one of the run is taken: draw another start
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError(f"no run of {count} free ports on 127.0.0.1 in {tries} tries")
+
+
 def child_pids(pid: int) -> list[int]:
     """The direct children of ``pid`` (the engine core process of a server)."""
     children: list[int] = []

@@ -249,7 +249,9 @@ def long_trace(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Pat
     (folder / "broken.json").write_text('{"format": "nanoengine-step-trace", "version": 2, "frames": []}')
     static = Path(__file__).resolve().parents[1] / "nanoengine/instruments/live_view/static"
     (folder / "index.html").write_text(
-        "<!doctype html><html lang='en'><head><meta charset='utf-8'><link rel='stylesheet' href='viewer.css'>"
+        # An empty icon: the browser would otherwise ask this folder for a favicon.ico and log the 404.
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'><link rel='icon' href='data:,'>"
+        "<link rel='stylesheet' href='viewer.css'>"
         "</head><body><div class='ne-trace' id='good' data-trace='trace.json'></div>"
         "<div class='ne-trace' id='bad' data-trace='broken.json'></div>"
         "<script src='viewer.js'></script></body></html>")
