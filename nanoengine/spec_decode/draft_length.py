@@ -85,7 +85,7 @@ class AcceptanceEstimate:
 
     def rate(self, prior: float, prior_weight: float = PRIOR_WEIGHT) -> float:
         """The chance one draft is kept: this request's counts over the prior's."""
-        return (self.kept + prior_weight * prior) / (self.kept + self.rejected + prior_weight)
+        return (self.kept + prior_weight * prior) / (self.evidence + prior_weight)
 
 
 @dataclass
