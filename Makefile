@@ -40,7 +40,7 @@ $(STAMP): $(BASE_STAMP)
 		print('\n'.join(extras['dev'] + extras['docs']))" | xargs -d '\n' $(PYTHON) -m pip install -q
 	touch $@
 
-# The C++ CPU kernels, compiled now (about a minute, announced) rather than inside the
+# The C++ CPU kernels, compiled now (20 s to 2 minutes on 2 cores, announced) rather than inside the
 # first LLM(...) or grade; a cached build takes a second. Without a compiler the engine
 # still runs (plain torch), so a failed build only warns here.
 kernels: venv-base

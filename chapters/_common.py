@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import sys
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from nanoengine.core.sched.scheduler import Scheduler
 from nanoengine.engine.core import EngineCore
 from nanoengine.executor.uniproc_executor import UniProcExecutor
 from nanoengine.instruments.component_tree import code_location
+from nanoengine.platforms.cpu import describe_cpu
 from nanoengine.utils.mem_utils import format_bytes
 from nanoengine.worker.model_runner import ModelRunner
 
@@ -54,13 +56,20 @@ class ChapterConsole(Console):
 
 
 class ChapterParser(argparse.ArgumentParser):
-    """The walkthroughs' parser: ``--lang zh`` switches the console and prints the chapter's introduction."""
+    """The walkthroughs' parser: ``--lang zh`` switches the console and prints the chapter's introduction.
+
+    Run from a terminal (``python -m chapters.chNN_x``), a walkthrough ends by
+    saying how long it took, and on which CPU: the times the chapters quote
+    were measured on one machine, and a learner's may be several times slower.
+    """
 
     def __init__(self, description: str, module: str) -> None:
         super().__init__(description=description)
         # Run as ``python -m chapters.chNN_x`` the module is "__main__"; its spec keeps the real name.
         main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         self.module = main_spec.name if module == "__main__" and main_spec is not None else module
+        if module == "__main__":
+            atexit.register(say_how_long, time.monotonic())
 
     def parse_args(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         parsed = super().parse_args(*args, **kwargs)
@@ -121,6 +130,11 @@ def base_parser(description: str, module: str = "") -> argparse.ArgumentParser:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="short name, local HF dir or hub id")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per prompt")
     return parser
+
+
+def say_how_long(start: float) -> None:
+    """The walkthrough's last line: its wall time (imports after the parser not counted) and the CPU."""
+    console.print(f"[dim]walkthrough done in {time.monotonic() - start:.0f} s; {describe_cpu()}[/dim]")
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:

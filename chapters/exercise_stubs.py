@@ -1,6 +1,6 @@
 """The student stubs of the graded exercises: render them, check them, write them back.
 
-Chapters 1, 3-9 (the exercises). Each exercise names one function or method of
+Chapters 1, 3-10 (the exercises). Each exercise names one function or method of
 the reference code (``EXERCISE_TARGETS`` in ``chapters/exercises/``). Its stub
 keeps the signature and docstring and replaces the body with
 ``raise NotImplementedError("Exercise <id>: see docs/exercises/<id>")``. A

@@ -17,22 +17,31 @@ grades the stubs instead of the reference).
 
 Every check runs under a watchdog (``run_with_deadline``): the student's code
 runs on a thread of its own, and a check that has not returned by its deadline
-(``Check.deadline_s``) fails as a probable blocking call, while the grader puts
-the reference back and goes on to the next check. A blocked thread or event
-loop cannot hang the grader; it ends with the process.
+(``Check.deadline_s``) fails, naming the line it was still running. A blocked
+thread or event loop cannot hang the grader: the grader puts the reference
+back, stops a spinning loop by raising ``CheckAbandoned`` inside it, and ends
+the grade there -- a thread still blocked ends with the process.
 
-Chapters 1, 3-9 (the exercises). vLLM 0.32 counterpart: none (teaching material).
+One budget covers the whole grade (``grade_budget_s``, printed when it
+starts): each check's deadline is cut to what is left of it. Unit checks come
+first; the end-to-end checks run only when every unit check passed, since a
+wrong function would only fail again, slowly (``every_check=True`` runs them
+anyway: the tests use it to show that each check catches an unwritten stub).
+
+Chapters 1, 3-10 (the exercises). vLLM 0.32 counterpart: none (teaching material).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import importlib
 import inspect
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +51,15 @@ from typing import Any
 from chapters.exercise_stubs import reset_stub
 from chapters.exercises import REPO_ROOT, Exercise, find_exercises
 from chapters.grade_checks import CHECKS, Check, chinese_check
-from chapters.grade_messages import ENGLISH, WORDING, Wording, describe_difference, describe_exception
+from chapters.grade_checks.common import END_TO_END_DEADLINE_S, UNIT_CHECKS_BUDGET_S, grade_budget_s
+from chapters.grade_messages import (
+    ENGLISH,
+    WORDING,
+    Wording,
+    describe_difference,
+    describe_exception,
+    describe_still_running,
+)
 
 _SWAPPABLE_PACKAGES = ("nanoengine", "chapters")
 
@@ -52,6 +69,8 @@ class CheckResult:
     name: str
     passed: bool
     detail: str  # empty when passed
+    ran: bool = True  # False: the grade skipped it (``detail`` says why)
+    timed_out: bool = False  # it did not return by its deadline: the grade ends here
 
 
 def _owner(exercise: Exercise) -> Any:
@@ -99,15 +118,26 @@ def swapped_in(exercise: Exercise, candidate: Callable[..., Any]) -> Iterator[No
 
 
 class DidNotReturn(Exception):
-    """A check ran past its deadline: the student's code is probably blocked."""
+    """A check ran past its deadline: the student's code is probably blocked, or loops for ever."""
 
-    def __init__(self, deadline_s: float) -> None:
+    def __init__(self, deadline_s: float, stack: list[traceback.FrameSummary]) -> None:
         super().__init__(ENGLISH.did_not_return.format(seconds=deadline_s))
         self.deadline_s = deadline_s
+        self.stack = stack  # where the check's thread was when the deadline passed
+
+
+class CheckAbandoned(BaseException):
+    """Raised by the grader inside a check's thread that ran past its deadline.
+
+    A ``BaseException``, like ``KeyboardInterrupt``: an ``except Exception`` in
+    the student's loop must not swallow it.
+    """
 
 
 # Seconds between two "still running" lines while a check runs.
 _PROGRESS_EVERY_S = 10.0
+# How long the grader waits for an abandoned check's thread to take its CheckAbandoned.
+_ABANDON_WAIT_S = 1.0
 
 
 def run_with_deadline(
@@ -115,10 +145,12 @@ def run_with_deadline(
 ) -> Any:
     """``run()`` on a thread of its own; its result, or its exception, or ``DidNotReturn``.
 
-    The thread is a daemon: if it never returns (a ``queue.get()`` with no
-    timeout, an event loop blocked by a synchronous call), it is left behind
-    and ends with the process. ``still_running(seconds)`` is called every
-    ``_PROGRESS_EVERY_S`` seconds while it runs.
+    At the deadline the thread's stack is kept (for the message) and
+    ``CheckAbandoned`` is raised inside it: a loop that spins ends at its next
+    line, rather than taking the CPU from every later check. A thread blocked
+    in a system call (a ``recv``, a ``queue.get()`` with no timeout) only sees
+    it when the call returns; it is a daemon and ends with the process.
+    ``still_running(seconds)`` is called every ``_PROGRESS_EVERY_S`` seconds.
     """
     outcome: dict[str, Any] = {}
 
@@ -134,13 +166,28 @@ def run_with_deadline(
     while worker.is_alive():
         waited = time.monotonic() - start
         if waited >= deadline_s:
-            raise DidNotReturn(deadline_s)
+            stack = _stack_of(worker)
+            _raise_in(worker, CheckAbandoned)
+            worker.join(_ABANDON_WAIT_S)  # a spinning loop ends at its next line
+            raise DidNotReturn(deadline_s, stack)
         worker.join(min(_PROGRESS_EVERY_S, deadline_s - waited))
-        if worker.is_alive() and still_running is not None:
+        if worker.is_alive() and still_running is not None and time.monotonic() - start < deadline_s:
             still_running(time.monotonic() - start)
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("result")
+
+
+def _stack_of(thread: threading.Thread) -> list[traceback.FrameSummary]:
+    """Where ``thread`` is now, outermost call first (empty if it just ended)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    return list(traceback.extract_stack(frame)) if frame is not None else []
+
+
+def _raise_in(thread: threading.Thread, exception: type[BaseException]) -> None:
+    """Have ``exception`` raised in ``thread`` at its next Python line (CPython's async exception)."""
+    if thread.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exception))
 
 
 @functools.cache
@@ -154,17 +201,24 @@ def _run_check(
     check: Check,
     candidate: Callable[..., Any],
     model: str,
+    deadline: float,
     still_running: Callable[[float], None] | None = None,
     words: Wording = ENGLISH,
 ) -> CheckResult:
+    """One check: the reference's result (the grader's own time), then the candidate's by ``deadline``
+    (``time.monotonic()``) or the check's own deadline, whichever comes first."""
     expected = _reference_result(exercise.exercise_id, check.name, model)
+    allowed_s = min(check.deadline_s, deadline - time.monotonic())
     try:
         # The swap is undone here, on the grader's thread, even when the check's
         # own thread never comes back: later checks see the reference again.
         with swapped_in(exercise, candidate):
-            actual = run_with_deadline(lambda: check.run(model), check.deadline_s, still_running)
+            actual = run_with_deadline(lambda: check.run(model), allowed_s, still_running)
     except DidNotReturn as exc:
-        return CheckResult(check.name, False, words.did_not_return.format(seconds=exc.deadline_s))
+        detail = words.did_not_return.format(seconds=exc.deadline_s)
+        if where := describe_still_running(exc.stack, _source_file(candidate), words):
+            detail += "\n" + where
+        return CheckResult(check.name, False, detail, timed_out=True)
     except Exception as exc:  # noqa: BLE001 -- any failure of the candidate is a failed check
         return CheckResult(check.name, False, describe_exception(exc, _source_file(candidate), words))
     differences = describe_difference(expected, actual, words)
@@ -186,29 +240,63 @@ def iter_grade(
     model: str,
     still_running: Callable[[float], None] | None = None,
     words: Wording = ENGLISH,
+    every_check: bool = False,
 ) -> Iterator[CheckResult]:
-    """Each check of one exercise in order, run with ``candidate`` swapped in, as it finishes."""
+    """Each check of one exercise in order, run with ``candidate`` swapped in, as it finishes.
+
+    Within one budget (``grade_budget_s``): a check that does not return ends
+    the grade, and the checks after it are reported as not run, saying why; so
+    are the end-to-end checks after a failed unit check, unless ``every_check``.
+    """
     exercises = find_exercises()
     if exercise_id not in exercises:
         raise ValueError(f"Unknown exercise {exercise_id!r}; known: {', '.join(exercises)}.")
     if exercise_id not in CHECKS:
         raise ValueError(f"Exercise {exercise_id} is named in EXERCISE_TARGETS but has no checks in "
                          "chapters/grade_checks/.")
+    budget_s = grade_budget_s(CHECKS[exercise_id])
+    # The budget is the candidate's: the reference's runs (the grader's own work) move the deadline on.
+    deadline = time.monotonic() + budget_s
+    stopped_by: str | None = None  # the check that did not return
+    failed_unit_checks = 0
     for check in CHECKS[exercise_id]:
-        yield _run_check(exercises[exercise_id], check, candidate, model, still_running, words)
+        if stopped_by is not None:
+            yield _not_run(check, words.not_run_stopped.format(name=check_name(exercise_id, stopped_by, words)))
+        elif check.is_end_to_end and failed_unit_checks and not every_check:
+            yield _not_run(check, words.not_run_units_failed.format(count=failed_unit_checks))
+        elif time.monotonic() >= deadline:
+            yield _not_run(check, words.not_run_budget.format(seconds=budget_s))
+        else:
+            deadline += _reference_time(exercise_id, check, model)
+            result = _run_check(exercises[exercise_id], check, candidate, model, deadline, still_running, words)
+            failed_unit_checks += not result.passed and not check.is_end_to_end
+            stopped_by = check.name if result.timed_out else None
+            yield result
+
+
+def _not_run(check: Check, why: str) -> CheckResult:
+    return CheckResult(check.name, False, why, ran=False)
+
+
+def _reference_time(exercise_id: str, check: Check, model: str) -> float:
+    """Seconds the reference's run of ``check`` takes now (0 once it is cached)."""
+    started = time.monotonic()
+    _reference_result(exercise_id, check.name, model)
+    return time.monotonic() - started
 
 
 def grade(
-    exercise_id: str, candidate: Callable[..., Any], model: str, stop_at_first_failure: bool = False
+    exercise_id: str, candidate: Callable[..., Any], model: str, stop_at_first_failure: bool = False,
+    every_check: bool = False,
 ) -> list[CheckResult]:
     """Every check of one exercise, run with ``candidate`` swapped in, in order.
 
     ``stop_at_first_failure`` ends at the first failed check: unit checks come
     first, so a wrong answer is named by the behaviour it gets wrong without
-    waiting for the end-to-end runs.
+    waiting for the end-to-end runs. ``every_check``: see ``iter_grade``.
     """
     results: list[CheckResult] = []
-    for result in iter_grade(exercise_id, candidate, model):
+    for result in iter_grade(exercise_id, candidate, model, every_check=every_check):
         results.append(result)
         if stop_at_first_failure and not result.passed:
             break
@@ -236,13 +324,16 @@ def _report(exercise_id: str, results: Iterator[CheckResult], model: str, words:
     """Print each check's result the moment it is known (an end-to-end check builds an engine)."""
     print(words.header.format(exercise=exercise_id, count=len(CHECKS[exercise_id]),
                               models=models_used(exercise_id, model, words)), flush=True)
-    passed = True
+    print(words.budget.format(seconds=grade_budget_s(CHECKS[exercise_id]), unit_s=UNIT_CHECKS_BUDGET_S,
+                              end_to_end_s=END_TO_END_DEADLINE_S), flush=True)
+    passed, said = True, ""
     for result in results:
         passed = passed and result.passed
-        mark = words.check_ok if result.passed else words.failed
+        mark = words.check_ok if result.passed else words.failed if result.ran else words.not_run
         print(f"  [{mark}] {check_name(exercise_id, result.name, words)}", flush=True)
-        if result.detail:
+        if result.detail and result.detail != said:  # why the checks were not run: said once
             print("        " + result.detail.replace("\n", "\n        "), flush=True)
+        said = result.detail if not result.ran else ""
     print(words.verdict.format(exercise=exercise_id, verdict=words.passed if passed else words.failed))
     return passed
 

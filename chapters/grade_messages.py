@@ -1,6 +1,6 @@
 """What the grader says when a check fails: only what differs, and where.
 
-Chapters 1, 3-9 (the exercises). A check returns labeled data: a dict whose
+Chapters 1, 3-10 (the exercises). A check returns labeled data: a dict whose
 keys name the call and its inputs (``"allocate_slots(first, 10 new tokens)"``)
 and whose values are what came back. When the student's result is not the
 reference's, ``describe_difference`` walks both and reports each place where
@@ -51,6 +51,12 @@ class Wording:
     in_your_code: str  # {where}
     raised_at: str  # {where}
     did_not_return: str  # {seconds}
+    running_at: str  # {where}: where the code that did not return was running
+    budget: str  # {seconds} {unit_s} {end_to_end_s}
+    not_run_stopped: str  # {name}: the check that did not return
+    not_run_budget: str  # {seconds}
+    not_run_units_failed: str  # {count}
+    not_run: str  # a check's mark when it did not run
     header: str  # {exercise} {count} {models}
     verdict: str  # {exercise} {verdict}
     passed: str  # an exercise's verdict, and one check's mark
@@ -77,7 +83,15 @@ WORDING = {
         in_your_code="  in your code at {where}",
         raised_at="  raised at {where}",
         did_not_return=("did not return within {seconds:.0f} s -- a blocking call? (a wait with no timeout, "
-                        "or a synchronous call inside an async def, never returns)"),
+                        "or a synchronous call inside an async def, never returns; so does a loop that never ends)"),
+        running_at="  it was still running at {where}",
+        budget=("Your code gets {seconds:.0f} s in all ({unit_s:.0f} s for the unit checks, {end_to_end_s:.0f} s "
+                "for each end-to-end run); the first check that does not return ends the grade."),
+        not_run_stopped="not run: the grade ended when '{name}' did not return",
+        not_run_budget="not run: your code used up the grade's {seconds:.0f} s",
+        not_run_units_failed=("not run: {count} unit check(s) failed, and the end-to-end run would only repeat "
+                              "their mistake, slowly; make those pass first"),
+        not_run="not run",
         header="Exercise {exercise}: {count} checks, on {models}",
         verdict="Exercise {exercise}: {verdict}",
         passed="PASS",
@@ -102,7 +116,14 @@ WORDING = {
         in_your_code="  出自你的代码：{where}",
         raised_at="  抛出位置：{where}",
         did_not_return=("{seconds:.0f} 秒内没有返回——是不是有阻塞调用？（没有超时的等待，"
-                        "或者 async def 里的同步调用，都不会返回）"),
+                        "或者 async def 里的同步调用，都不会返回；永不结束的循环也一样）"),
+        running_at="  当时仍在运行：{where}",
+        budget=("你的代码一共有 {seconds:.0f} 秒（单元检查合计 {unit_s:.0f} 秒，每次端到端运行 {end_to_end_s:.0f} 秒）；"
+                "第一个没有返回的检查会结束整次评分。"),
+        not_run_stopped="未运行：检查“{name}”没有返回，评分到此结束",
+        not_run_budget="未运行：你的代码已用完本次评分的 {seconds:.0f} 秒",
+        not_run_units_failed="未运行：有 {count} 个单元检查未通过，端到端运行只会更慢地重复同样的错误；请先让它们通过",
+        not_run="未运行",
         header="练习 {exercise}：{count} 个检查项，运行在 {models} 上",
         verdict="练习 {exercise}：{verdict}",
         passed="通过",
@@ -202,6 +223,17 @@ def describe_exception(error: BaseException, candidate_file: Path | None, words:
     if shown and raised_at is not None and (not in_candidate or raised_at is not in_candidate[-1]):
         lines.append(words.raised_at.format(where=_where(raised_at)))
     return "\n".join(lines)
+
+
+def describe_still_running(stack: list[traceback.FrameSummary], candidate_file: Path | None,
+                           words: Wording = ENGLISH) -> str:
+    """Where a check that did not return was running: the innermost line of the
+    candidate's file when it was inside it (``while True:``), else the innermost
+    line of all (a ``recv`` the candidate called, say)."""
+    in_candidate = [f for f in stack if candidate_file is not None and Path(f.filename) == candidate_file]
+    if in_candidate:
+        return words.in_your_code.format(where=_where(in_candidate[-1]))
+    return words.running_at.format(where=_where(stack[-1])) if stack else ""
 
 
 def _is_grader_code(frame: traceback.FrameSummary) -> bool:

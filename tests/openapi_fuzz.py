@@ -9,9 +9,12 @@ documented one, so every drawn body is one the schema calls valid.
 
 ``check`` holds the answer to the documentation: no 5xx; a status the route
 documents; the documented content type (none for an empty ``/health``); a
-body that validates against the documented schema (each event of a stream
-against its chunk model); and a 2xx, unless the refusal names a field of one
-of the documented exceptions (``schema_notes.SCHEMA_EXCEPTIONS``).
+body that validates against the documented schema (each event of a stream,
+as a client parses it, against the route's ``itemSchema``, and the JSON in its
+data against the ``contentSchema`` there, as schemathesis reads them); and a
+2xx, unless the refusal names a field of one of the documented exceptions
+(``schema_notes.SCHEMA_EXCEPTIONS``). The live view's feed never ends by
+itself: it is read for ``FEED_READ_S`` and its complete events are checked.
 
 vLLM 0.32 counterpart: ``tests/entrypoints/openai/test_openai_schema.py``
 (schemathesis over ``/openapi.json``, checking only for server errors).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +37,14 @@ from schema_strategies import from_schema
 from nanoengine.entrypoints.openai.schema_notes import exception_for
 
 Json = Any
-# The OpenAI routes; /ui belongs to the live view plugin and is not fuzzed here.
+# The OpenAI routes and the live view's reads. Not its control route: a drawn
+# "pause" would stall every later request of the run.
 ROUTES = (("get", "/health"), ("get", "/version"), ("get", "/v1/models"), ("get", "/metrics"),
           ("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("post", "/tokenize"),
-          ("post", "/detokenize"))
+          ("post", "/detokenize"), ("get", "/ui/api/feed"), ("get", "/ui/api/state"))
+# The live view's feed streams until the client leaves: read until it is this long
+# quiet (its hello comes at once; an idle engine sends nothing more), then hang up.
+FEED_QUIET_S = 1.0
 # Narrowed so that a request is a few decode steps on the tiny model, never a run to max_model_len.
 NARROWER = {"max_tokens": {"maximum": 4}, "max_completion_tokens": {"maximum": 4}, "n": {"maximum": 2},
             "min_tokens": {"maximum": 2}}
@@ -48,6 +56,7 @@ class Drawn:
     method: str
     path: str
     body: Json = None
+    params: dict[str, Any] = field(default_factory=dict)  # the query string
 
 
 @dataclass
@@ -82,7 +91,7 @@ def requests(openapi: Json) -> st.SearchStrategy[Drawn]:
     choices = []
     for method, path in ROUTES:
         if method == "get":
-            choices.append(st.just(Drawn(method, path)))
+            choices.append(query(openapi, path))
         else:
             schema = request_schema(openapi, path)
             choices.append(from_schema(schema, schema).map(
@@ -90,9 +99,41 @@ def requests(openapi: Json) -> st.SearchStrategy[Drawn]:
     return st.one_of(choices)
 
 
+def query(openapi: Json, path: str) -> st.SearchStrategy[Drawn]:
+    """A GET of ``path`` with each documented query parameter drawn from its schema (or left out)."""
+    parameters = [p for p in openapi["paths"][path]["get"].get("parameters", []) if p["in"] == "query"]
+    drawn = {p["name"]: st.none() | from_schema(p["schema"], openapi) for p in parameters}
+    return st.fixed_dictionaries(drawn).map(lambda values: Drawn(
+        "get", path, params={name: value for name, value in values.items() if value is not None}))
+
+
 def send(client: httpx.Client, drawn: Drawn) -> httpx.Response:
     """One request, bounded by DEADLINE_S (httpx raises a timeout naming what it waited for)."""
-    return client.request(drawn.method, drawn.path, json=drawn.body, timeout=DEADLINE_S)
+    if drawn.path == "/ui/api/feed":
+        return read_feed_briefly(client, drawn.params)
+    return client.request(drawn.method, drawn.path, json=drawn.body, params=drawn.params, timeout=DEADLINE_S)
+
+
+def read_feed_briefly(client: httpx.Client, params: dict[str, Any]) -> httpx.Response:
+    """The feed's answer: its complete events until it is ``FEED_QUIET_S`` quiet, at most
+    ``DEADLINE_S`` (an error answer whole)."""
+    timeout = httpx.Timeout(DEADLINE_S, read=FEED_QUIET_S)
+    received, stop_at = b"", time.monotonic() + DEADLINE_S
+    with client.stream("GET", "/ui/api/feed", params=params, timeout=timeout) as streamed:
+        if streamed.status_code != 200:
+            streamed.read()
+            return httpx.Response(streamed.status_code, headers=streamed.headers, content=streamed.content)
+        try:
+            for chunk in streamed.iter_bytes():
+                received += chunk
+                if time.monotonic() > stop_at:
+                    break
+        except httpx.ReadTimeout:
+            pass  # quiet: the engine is idle
+    complete = received[: received.rfind(b"\n\n") + 2]  # a hang-up can cut the last event short
+    if not complete:
+        raise TimeoutError(f"the feed sent no complete event within {FEED_QUIET_S:g} s of its headers")
+    return httpx.Response(200, headers=streamed.headers, content=complete)
 
 
 def check(openapi: Json, drawn: Drawn, response: httpx.Response, tally: Tally) -> list[str]:
@@ -121,9 +162,51 @@ def _check_content(openapi: Json, content: Json, response: httpx.Response) -> li
     if documented == "application/json":
         return _invalid(openapi, content[documented]["schema"], response.json())
     if documented == "text/event-stream":
-        return [problem for event in _events(response.text) for problem in
-                _invalid(openapi, content[documented]["itemSchema"], event)]
+        item = content[documented]["itemSchema"]
+        return [problem for event in parse_events(response.text) for problem in _check_event(openapi, item, event)]
     return []
+
+
+def parse_events(text: str) -> list[dict[str, str]]:
+    """The stream's events as a client parses them: the ``event`` name ("message" when none is
+    given) and the ``data`` lines joined; comment lines skipped."""
+    events: list[dict[str, str]] = []
+    name, data = "", []
+    for line in [*text.splitlines(), ""]:
+        if not line:
+            if data:
+                events.append({"event": name or "message", "data": "\n".join(data)})
+            name, data = "", []
+        elif line.startswith("event:"):
+            name = line[len("event:"):].removeprefix(" ")
+        elif line.startswith("data:"):
+            data.append(line[len("data:"):].removeprefix(" "))
+    return events
+
+
+def _check_event(openapi: Json, item_schema: Json, event: dict[str, str]) -> list[str]:
+    """The event against ``itemSchema``; then the JSON in its data against its ``contentSchema``."""
+    problems = _invalid(openapi, item_schema, event)
+    content_schema = None if problems else _content_schema(item_schema, event)
+    if content_schema is None:
+        return problems
+    try:
+        data = json.loads(event["data"])
+    except json.JSONDecodeError as error:
+        return [f"event {event['event']!r}: its data is not JSON ({error}): {event['data'][:80]}"]
+    return [f"event {event['event']!r}: {problem}" for problem in _invalid(openapi, content_schema, data)]
+
+
+def _content_schema(item_schema: Json, event: dict[str, str]) -> Json | None:
+    """The schema of the JSON in ``event``'s data; None for a documented constant such as [DONE]."""
+    for branch in item_schema.get("oneOf", [item_schema]):
+        if branch["properties"]["event"]["const"] != event["event"]:
+            continue
+        options = branch["properties"]["data"].get("anyOf", [branch["properties"]["data"]])
+        if any(option.get("const") == event["data"] for option in options):
+            return None
+        return next(option["contentSchema"] for option in options if "contentSchema" in option)
+    return None
 
 
 def _documented_type(kind: str, content: Json) -> str | None:
@@ -132,11 +215,6 @@ def _documented_type(kind: str, content: Json) -> str | None:
         return kind
     bare = kind.split(";")[0].strip()
     return bare if bare in content and kind.removeprefix(bare).strip() in ("", "; charset=utf-8") else None
-
-
-def _events(text: str) -> list[Json]:
-    data = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
-    return [json.loads(item) for item in data if item != "[DONE]"]
 
 
 def _invalid(openapi: Json, schema: Json, body: Json) -> list[str]:

@@ -14,7 +14,6 @@ import os
 import random
 import signal
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -133,6 +132,34 @@ def test_a_producer_killed_before_the_pulls(model: str) -> None:
             assert metric(url, "vllm:kv_transfer_num_failed_transfers_total") == 20
             assert token_ids(completion(url, prompts[0], MAX_TOKENS)) == expected[0]  # still serving
         assert _no_blocks_held(*urls[2:])
+
+
+def test_a_producer_server_killed_mid_transfer_leaves_no_process(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a slow machine on purpose (NANOENGINE_INJECT_DELAY): 16 requests through the proxy,
+    and ``kill -9`` of the producer's API server alone while their KV moves. Its engine core
+    (which holds the blocks and serves the reads) notices and exits within 10 s; the consumer
+    ends every request it was given, keeps serving and holds no block."""
+    from server_helpers import descendant_pids, is_running
+
+    monkeypatch.setenv("NANOENGINE_INJECT_DELAY", "step=0.02,utility=0.1")
+    ports = [free_port() for _ in range(3)]
+    prod, cons, front = ports
+    quick = {"kv_connector_extra_config": {"transfer_timeout_s": 2}}
+    commands = [producer(model), consumer(model, **quick), proxy(prod, cons)]
+    prompts = _prompts(16, seed=5)
+    with running_processes(commands, ports=ports) as started:
+        urls = [url for url, _ in started]
+        producer_engine = descendant_pids(started[0][1].pid)
+        with ThreadPoolExecutor(16) as pool:
+            answers = [pool.submit(completion, urls[2], prompt, MAX_TOKENS) for prompt in prompts]
+            assert wait_until(lambda: metric(urls[0], "vllm:kv_transfer_num_transfers_total") > 0, 60, 0.02)
+            started[0][1].kill()  # the API server only: the core must learn of it by itself
+            alive = [pid for pid in producer_engine if not wait_until(lambda pid=pid: not is_running(pid), 10)]
+            assert producer_engine and not alive, f"the producer's engine processes {alive} outlived its server"
+            ended = [answer.result(timeout=120) for answer in answers]
+        assert len(ended) == len(prompts)  # each answered: tokens, or an error saying what failed
+        assert token_ids(completion(urls[1], prompts[0], MAX_TOKENS)) is not None  # the consumer still serves
+        assert _no_blocks_held(urls[1])
 
 
 def test_a_soak_with_hang_ups_through_the_proxy_loses_nothing(model: str) -> None:

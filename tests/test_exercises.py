@@ -12,6 +12,9 @@ import ast
 import asyncio
 import inspect
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from exercise_mutants import (
@@ -153,7 +156,7 @@ def test_grader(exercise_id: str, tiny_llama: str) -> None:
         assert isinstance(result, dict) and all(isinstance(key, str) for key in result), (
             f"check {check.name!r} must return a dict keyed by labels, got {type(result).__name__}"
         )
-    stub = grade(exercise_id, student_function(exercise), tiny_llama)
+    stub = grade(exercise_id, student_function(exercise), tiny_llama, every_check=True)
     vacuous = [r.name for r in stub if r.passed or "NotImplementedError" not in r.detail]
     assert not vacuous, f"these checks do not catch an unwritten {exercise.qualname}: {vacuous}"
 
@@ -333,18 +336,87 @@ def test_grader_rejects_each_mutant_and_names_the_behaviour(mutant: Mutant, tiny
 
 
 def test_a_check_that_never_returns_fails_by_its_deadline_and_the_grader_goes_on() -> None:
-    """The watchdog itself, on a toy check: a blocked call, then a normal one."""
+    """The watchdog itself, on toy checks: a blocked call, a loop that spins (stopped, so it
+    takes no CPU from later checks), then a normal one."""
     import threading
 
     from chapters.grade import DidNotReturn, run_with_deadline
 
     never = threading.Event()
     ticks: list[float] = []
-    with pytest.raises(DidNotReturn, match=r"did not return within 1 s -- a blocking call\?"):
+    with pytest.raises(DidNotReturn, match=r"did not return within 1 s -- a blocking call\?") as blocked:
         run_with_deadline(never.wait, 1.0, ticks.append)
+    assert blocked.value.stack and blocked.value.stack[-1].name == "wait"  # where it was, for the message
+    spins = 0
+
+    def spin() -> None:
+        nonlocal spins
+        while True:
+            spins += 1
+
+    with pytest.raises(DidNotReturn):
+        run_with_deadline(spin, 0.5)
+    spinning = [thread for thread in threading.enumerate() if thread.name == "grader-check" and _runs(thread, "spin")]
+    assert not spinning and spins > 0, "the spinning loop was not stopped"
     assert run_with_deadline(lambda: 42, 1.0) == 42
     with pytest.raises(ZeroDivisionError):
         run_with_deadline(lambda: 1 / 0, 1.0)
+    never.set()  # the blocked thread ends too
+
+
+def _runs(thread: object, function_name: str) -> bool:
+    import sys
+    import traceback
+
+    frame = sys._current_frames().get(getattr(thread, "ident", None) or -1)
+    return frame is not None and any(f.name == function_name for f in traceback.extract_stack(frame))
+
+
+# Grades 10.1 three times in a process of its own: an answer that spins, one that blocks
+# on a socket, then the reference. The unit checks' deadline is cut to 2 s: what is
+# tested is that the first check that does not return ends the grade, naming its line.
+_GRADE_RUNNER = '''
+import socket, sys, threading
+import chapters.grade as grade
+import chapters.grade_checks.common as common
+common.UNIT_CHECK_DEADLINE_S = 2.0
+
+def spins(self, request, blocks, num_computed_tokens, num_external_tokens):
+    while True:
+        pass
+
+def blocks_on_a_socket(self, request, blocks, num_computed_tokens, num_external_tokens):
+    ours, _ = socket.socketpair()
+    ours.recv(1)
+
+for answer in (spins, blocks_on_a_socket, None):
+    grade.student_function = lambda exercise: answer or grade.reference_function(exercise)
+    status = grade.main(["10.1"])
+    alive = [t.name for t in threading.enumerate() if t.name == "grader-check"]
+    print(f"exit {status}, checks still running: {len(alive)}", flush=True)
+'''
+
+
+def test_an_answer_that_spins_or_blocks_ends_the_grade_at_once_naming_its_line(tmp_path: Path) -> None:
+    """Exercise 10.1 on a slow machine (NANOENGINE_INJECT_DELAY): ``while True: pass`` and a
+    blocking ``recv`` each fail at the first check, which names the line, and the rest are
+    reported as not run, within the budget stated at the start; then the reference passes."""
+    runner = tmp_path / "grade_runner.py"
+    runner.write_text(_GRADE_RUNNER, encoding="utf-8")
+    env = {**os.environ, "NANOENGINE_INJECT_DELAY": "step=0.02"}
+    done = subprocess.run([sys.executable, str(runner)], check=False, capture_output=True, text=True, timeout=300, env=env,
+                          cwd=REPO_ROOT)
+    grades = done.stdout.split("Exercise 10.1: 8 checks")[1:]
+    assert len(grades) == 3, done.stdout + done.stderr
+    for grade_output, line in zip(grades[:2], ("while True:", "ours.recv(1)")):
+        assert "Your code gets 120 s in all" in grade_output
+        assert "[FAIL] no local hits" in grade_output and "did not return within 2 s" in grade_output
+        assert f"in your code at {runner}:" in grade_output and line in grade_output
+        assert grade_output.count("[not run]") == 7 and grade_output.count("the grade ended when") == 1
+        assert "Exercise 10.1: FAIL" in grade_output
+    assert "exit 1, checks still running: 0" in grades[0]  # the spinning loop was stopped
+    assert "exit 1, checks still running: 1" in grades[1]  # the blocked recv cannot be: it ends with the process
+    assert "Exercise 10.1: PASS" in grades[2] and "[not run]" not in grades[2]
 
 
 def test_list_names_every_check_and_what_it_really_runs_on(capsys: pytest.CaptureFixture[str]) -> None:
@@ -354,8 +426,8 @@ def test_list_names_every_check_and_what_it_really_runs_on(capsys: pytest.Captur
     out = capsys.readouterr().out
     for exercise_id, exercise in EXERCISES.items():
         assert f"Exercise {exercise_id} (" in out, exercise.qualname
-    assert "end to end: greedy tokens on a tiny hybrid model  [the grader's tiny Qwen3.5; at most 110 s]" in out
-    assert "[no model (unit check); at most 30 s]" in out and "[SmolLM2-135M-Instruct; at most 110 s]" in out
+    assert "end to end: greedy tokens on a tiny hybrid model  [the grader's tiny Qwen3.5; at most 90 s]" in out
+    assert "[no model (unit check); at most 30 s]" in out and "[SmolLM2-135M-Instruct; at most 90 s]" in out
     assert chapters.grade.models_used("4.4", "SmolLM2-135M-Instruct") == (
         "no model (unit check), the grader's tiny Qwen3.5"
     )

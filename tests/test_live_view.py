@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -331,6 +333,42 @@ def test_the_served_page_wants_the_key_streams_frames_and_survives_a_hang_up(
         state = httpx.get(f"{url}/ui/api/state", headers=auth, timeout=10).json()
         assert browser.evaluate("Number(document.querySelector('.ne-view').dataset.step)") == state["frame"]["step"]
         browser.open("about:blank")  # the page's feed closes, so the server stops at once
+
+
+def test_pages_that_give_up_on_a_slow_core_stall_nothing(tiny_llama: str, browser: Browser,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a slow machine on purpose (each utility answer 0.3 s late, each step 20 ms longer):
+    while 8 completions run, readers of the feed and of ``/ui/api/state`` give up before the
+    core answers (the late answers once killed the client's output thread, and with it every
+    request). Every completion finishes, the page shows the engine's steps, a feed asking
+    past the int64 steps gets a 400 naming ``after``, and SIGTERM stops the server with the
+    page still open."""
+    monkeypatch.setenv("NANOENGINE_INJECT_DELAY", "step=0.02,utility=0.3")
+    with running_server(tiny_llama, "--max-model-len", "256", api_key=None) as (url, server):
+        body = {"model": tiny_llama, "prompt": "hello engine", "max_tokens": 40, "ignore_eos": True}
+        with ThreadPoolExecutor(8) as pool:
+            completions = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120) for _ in range(8)]
+            for _ in range(4):  # each gives up long before the 0.3 s answer
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.get(f"{url}/ui/api/state", timeout=0.05)
+                with httpx.stream("GET", f"{url}/ui/api/feed", timeout=30) as feed:
+                    lines = feed.iter_lines()  # kept: a dropped iterator would close the stream at once
+                    next(lines)  # the hello
+                    time.sleep(0.25)  # then the page closes mid-read (POLL_S 0.1 s, then a 0.3 s answer)
+            answers = [completion.result(timeout=120) for completion in completions]
+        assert [answer.status_code for answer in answers] == [200] * 8
+        assert all(answer.json()["usage"]["completion_tokens"] == 40 for answer in answers)
+        too_far = httpx.get(f"{url}/ui/api/feed", params={"after": 214380331320480716077111680434176}, timeout=10)
+        assert too_far.status_code == 400 and too_far.json()["error"]["param"] == "query.after", too_far.text
+        browser.open(f"{url}/ui")
+        wait_for_js(browser, "document.querySelector('.ne-view').dataset.step !== undefined", "a frame")
+        state = httpx.get(f"{url}/ui/api/state", timeout=10).json()
+        assert state["frame"]["step"] > 8
+        start = time.monotonic()
+        server.send_signal(signal.SIGTERM)  # the page's feed is still open
+        server.wait(15)
+        assert time.monotonic() - start < 5.0, f"SIGTERM took {time.monotonic() - start:.1f} s with a page open"
+    browser.open("about:blank")
 
 
 # ------------------------------------------------------------- the docs site's replays

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nanoengine import LLM, SamplingParams
@@ -118,24 +119,45 @@ def test_killed_core_raises_engine_dead_error_instead_of_hanging(tiny_llama: str
         llm.llm_engine.shutdown()
 
 
+# A parent that keeps its engine busy until it is killed. "tp2": the core drives two
+# worker processes (MultiprocExecutor); "held": the parent first forks a child that
+# keeps the core's stdin pipe open, so the core never reads end-of-file and must
+# notice that it was handed to a new parent instead.
 _ORPHAN_SCRIPT = """
-import sys, time
-from nanoengine import LLM
-llm = LLM(sys.argv[1], multiprocess_mode=True, max_model_len=64, kv_cache_memory_bytes=1 << 22)
-print(llm.llm_engine.engine_core.core_process.pid, flush=True)
-time.sleep(120)
+import os, sys, time
+from nanoengine import LLM, SamplingParams
+from nanoengine.renderers.hf import TokensPrompt
+case = sys.argv[2]
+llm = LLM(sys.argv[1], multiprocess_mode=True, tensor_parallel_size=2 if case == "tp2" else 1,
+          max_model_len=64, kv_cache_memory_bytes=1 << 22)
+holder = os.fork() if case == "held" else None
+if holder == 0:
+    time.sleep(60)
+    os._exit(0)
+print(llm.llm_engine.engine_core.core_process.pid, holder or 0, flush=True)
+busy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+while True:
+    llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])] * 4, busy, use_tqdm=False)
 """
 
 
-def test_core_exits_when_its_parent_is_killed(tiny_llama: str) -> None:
-    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT, tiny_llama], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("case", ["tp2", "held"])
+def test_a_busy_core_and_its_ranks_exit_when_the_parent_is_killed(tiny_llama: str, case: str) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT, tiny_llama, case], stdout=subprocess.PIPE,
+                              text=True)
+    holder = 0
     try:
         assert parent.stdout is not None
-        core_pid = int(parent.stdout.readline())
-        assert _is_running(core_pid)
-        parent.kill()  # SIGKILL: no atexit handler, no shutdown() -- only the pipe tells the core
+        core_pid, holder = map(int, parent.stdout.readline().split())
+        engine_pids = [core_pid, *(child.pid for child in psutil.Process(core_pid).children(recursive=True))]
+        assert len(engine_pids) == (3 if case == "tp2" else 1), engine_pids
+        time.sleep(0.5)  # mid-generation
+        parent.kill()  # SIGKILL: no atexit handler, no shutdown() -- only the pipe or the new parent tells the core
         parent.wait(10)
-        assert _wait_until_gone(core_pid, 10.0), f"core process {core_pid} outlived its killed parent"
+        alive = [pid for pid in engine_pids if not _wait_until_gone(pid, 10.0)]
+        assert not alive, f"engine processes {alive} outlived their killed parent ({case})"
     finally:
         parent.kill()
         parent.wait(10)
+        if holder:
+            os.kill(holder, signal.SIGKILL)

@@ -13,12 +13,20 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
 import pytest
-from server_helpers import API_KEY, child_pids, metric, running_server, wait_until
+from server_helpers import (
+    API_KEY,
+    child_pids,
+    descendant_pids,
+    is_running,
+    metric,
+    running_server,
+    wait_until,
+)
 
 from nanoengine import LLM, SamplingParams
 
@@ -164,7 +172,13 @@ def test_disconnect_mid_stream_aborts_and_frees_the_blocks(server: str, tiny_lla
     assert time.monotonic() - start < 1.0
 
 
-def test_killed_core_turns_health_503_and_fails_requests_in_flight(tiny_llama: str) -> None:
+def test_killed_core_fails_requests_with_500_turns_health_503_and_sigterm_still_stops_it(
+        tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a slow machine on purpose (NANOENGINE_INJECT_DELAY): the core killed mid-request.
+    The request in flight and a later one get OpenAI's 500 body, /health says 503, the
+    live view's feed ends with an ``end`` event that says why, and SIGTERM stops the server
+    within a few seconds."""
+    monkeypatch.setenv("NANOENGINE_INJECT_DELAY", "step=0.02,utility=0.1")
     with running_server(tiny_llama, *FLAGS, api_key=None) as (base_url, server_process):
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=30)
         errors: list[BaseException] = []
@@ -178,13 +192,45 @@ def test_killed_core_turns_health_503_and_fails_requests_in_flight(tiny_llama: s
 
         worker = threading.Thread(target=long_request)
         worker.start()
-        time.sleep(0.3)
-        (core,) = child_pids(server_process.pid)
-        os.kill(core, signal.SIGKILL)
+        with httpx.stream("GET", f"{base_url}/ui/api/feed", timeout=30) as feed:
+            time.sleep(0.3)
+            (core,) = child_pids(server_process.pid)
+            os.kill(core, signal.SIGKILL)
+            last_event = [line for line in feed.iter_lines() if line.startswith("event: ")][-1]
+        assert last_event == "event: end"
         assert wait_until(lambda: httpx.get(f"{base_url}/health").status_code == 503, 5.0)
         worker.join(10)
         assert not worker.is_alive(), "the request in flight hung"
-        assert errors and isinstance(errors[0], openai.APIStatusError) and errors[0].status_code == 503
+        assert errors and isinstance(errors[0], openai.InternalServerError), errors
+        later = httpx.post(f"{base_url}/v1/completions", json={"model": tiny_llama, "prompt": "x"}, timeout=10)
+        assert later.status_code == 500 and "engine core process has died" in later.json()["error"]["message"]
+        start = time.monotonic()
+        server_process.send_signal(signal.SIGTERM)
+        server_process.wait(15)
+        assert time.monotonic() - start < 5.0, f"SIGTERM took {time.monotonic() - start:.1f} s"
+
+
+def test_a_server_killed_while_it_serves_leaves_no_process(tiny_llama: str) -> None:
+    """``kill -9`` of the API server alone, mid-request: its engine core notices and exits."""
+    with running_server(tiny_llama, *FLAGS, api_key=None) as (base_url, server_process):
+        streaming = threading.Thread(target=lambda: _ignore_errors(lambda: httpx.post(
+            f"{base_url}/v1/completions", timeout=30,
+            json={"model": tiny_llama, "prompt": "x", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True})))
+        streaming.start()
+        time.sleep(0.3)
+        engine_pids = descendant_pids(server_process.pid)
+        server_process.kill()
+        server_process.wait(10)
+        alive = [pid for pid in engine_pids if not wait_until(lambda pid=pid: not is_running(pid), 10.0)]
+        streaming.join(30)
+        assert engine_pids and not alive, f"engine processes {alive} outlived their killed server"
+
+
+def _ignore_errors(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except httpx.HTTPError:
+        pass  # the server was killed under it: that is the point
 
 
 @pytest.mark.slow

@@ -125,6 +125,27 @@ def test_an_abort_on_the_consumer_frees_the_producer_at_once(pair: Any) -> None:
     assert _scheduler(consumer).kv_cache_manager.usage == 0.0
 
 
+def test_a_dead_block_server_fails_the_producers_next_step_loudly(pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The producer's block server thread dies answering a read: its engine's next step raises,
+    naming it, rather than holding blocks nobody can read any more."""
+    producer, consumer = pair
+    runner = producer.engine_core.get_engine_core().model_executor.driver_worker.model_runner
+    server_side = runner.kv_connector
+
+    def breaks(*args: Any) -> None:
+        raise MemoryError("a gather that failed")
+
+    monkeypatch.setattr(server_side, "_send_blocks", breaks)
+    params = _prefill(producer, "p", PROMPT)
+    add(consumer, "c", PROMPT, _greedy(**params))
+    consumer.engine_core.get_engine_core().step()  # the pull's read goes out
+    with pytest.raises(RuntimeError, match=r"the KV block server of rank 0 died: MemoryError\('a gather that failed'\)"):
+        _step_until(producer, lambda: False, seconds=10)
+    consumer_side = _scheduler(consumer)
+    assert _step_until(consumer, lambda: "c" not in consumer_side.requests)  # its pull timed out: policy "fail"
+    assert consumer_side.make_stats().kv_transfer_stats.num_failed_transfers == 1
+
+
 def test_a_hold_nobody_reads_expires(tiny_llama: str) -> None:
     producer = make_engine(tiny_llama, kv_transfer_config=_zmq("kv_producer", kv_connector_extra_config={
         "abort_request_timeout_s": 0.5}), check_invariants=True)

@@ -8,7 +8,11 @@ does, then read what it planned the way the scheduler does too: the
 blocks are numbered 7, 3, 9, 4, 8 and the producer's 100, 101, ..., so every
 label shows which block goes where. The end-to-end run moves real KV from a
 producer engine to a consumer engine over loopback TCP, once with nothing
-in the consumer's prefix cache and once with part of the prompt there.
+in the consumer's prefix cache and once with part of the prompt there, on
+the grader's tiny Llama (the blocks' bytes, not the words, are the point,
+and three tiny engines start in a second where three SmolLM2s take many).
+A consumer request that never leaves ``WAITING_FOR_REMOTE_KVS`` (no pull
+was planned for it) is reported by that state, not as a hang.
 
 vLLM 0.32 counterpart: none (teaching material).
 """
@@ -19,6 +23,7 @@ import time
 from typing import Any
 
 from chapters.grade_checks.common import SMALL_BLOCKS, Check, make_request
+from chapters.grade_checks.tiny_model import tiny_llama_model_dir
 from nanoengine.config import KVTransferConfig
 from nanoengine.distributed.kv_transfer.zmq.metadata import PullPlan
 from nanoengine.distributed.kv_transfer.zmq.scheduler import ZmqConnectorScheduler
@@ -26,7 +31,7 @@ from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.outputs import RequestOutput
 from nanoengine.renderers.hf import TokensPrompt
-from nanoengine.request import Request
+from nanoengine.request import Request, RequestStatus
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.utils.system_utils import get_open_port
 
@@ -156,25 +161,40 @@ def names_the_producer(model: str) -> dict[str, Any]:
 # 30 tokens: 7 full blocks and 2 tokens. The second prompt shares the first 16.
 E2E_PROMPTS = [[3 + (7 * i) % 200 for i in range(30)], [3 + (7 * i) % 200 for i in range(16)] + list(range(60, 74))]
 E2E_TOKENS = 8
-# How long the run may step the engines before it says the pull never ended.
+# How long the run may step the engines before it says the request never finished.
 E2E_DEADLINE_S = 60.0
+# A pull of a few blocks over loopback takes milliseconds; a consumer request
+# still waiting for its KV after this long will not get it.
+STUCK_WAITING_S = 10.0
 
 
 def _engine(model: str, **kwargs: Any) -> LLMEngine:
-    return LLMEngine.from_engine_args(EngineArgs(model=model, enable_prefix_caching=True, **SMALL_BLOCKS, **kwargs))
+    return LLMEngine.from_engine_args(EngineArgs(model=model, enable_prefix_caching=True, skip_tokenizer_init=True,
+                                                 **SMALL_BLOCKS, **kwargs))
 
 
 def _finish(engine: LLMEngine, request_id: str, other: LLMEngine | None = None) -> RequestOutput:
-    """Step ``engine`` (and ``other``, which registers and frees its held blocks) until ``request_id`` ends."""
-    deadline = time.monotonic() + E2E_DEADLINE_S
-    while time.monotonic() < deadline:
+    """Step ``engine`` (and ``other``, which registers and frees its held blocks) until ``request_id`` ends;
+    a request stuck waiting for its KV is reported by its state."""
+    start = time.monotonic()
+    while (waited := time.monotonic() - start) < E2E_DEADLINE_S:
         for output in engine.step():
             if output.request_id == request_id and output.finished:
                 return output
         if other is not None:
             other.step()
+        status = _status_of(engine, request_id)
+        if status == RequestStatus.WAITING_FOR_REMOTE_KVS and waited > STUCK_WAITING_S:
+            raise RuntimeError(f"request {request_id} is still in {status.name} after {waited:.0f} s: its KV never "
+                               "arrived, so no pull was planned for it (or it pulled from the wrong place)")
     raise RuntimeError(f"request {request_id} did not finish within {E2E_DEADLINE_S:g} s "
-                       "(is the consumer still waiting for its KV?)")
+                       f"(it is {_status_of(engine, request_id)})")
+
+
+def _status_of(engine: LLMEngine, request_id: str) -> RequestStatus | None:
+    """The request's state in ``engine``'s scheduler (None once it has left)."""
+    request = engine.engine_core.get_engine_core().scheduler.requests.get(request_id)
+    return None if request is None else request.status
 
 
 def _greedy(max_tokens: int, **kv_transfer_params: Any) -> SamplingParams:
@@ -183,9 +203,11 @@ def _greedy(max_tokens: int, **kv_transfer_params: Any) -> SamplingParams:
 
 
 def e2e_two_engines(model: str) -> dict[str, Any]:
-    """A producer engine and a consumer engine in one process, blocks of 4 tokens, fp32: two
-    30-token prompts (the second shares 16 tokens with the first) prefilled on the producer,
-    decoded for 8 tokens on the consumer; the tokens, the tokens pulled, and one engine's tokens."""
+    """A producer engine and a consumer engine in one process on the grader's tiny Llama, blocks
+    of 4 tokens, fp32: two 30-token prompts (the second shares 16 tokens with the first)
+    prefilled on the producer, decoded for 8 tokens on the consumer; the tokens, the tokens
+    pulled, and one engine's tokens."""
+    model = tiny_llama_model_dir(2)
     plain = _engine(model)
     producer = _engine(model, kv_transfer_config={"kv_connector": "ZmqConnector", "kv_role": "kv_producer",
                                                   "kv_port": get_open_port()})
@@ -221,5 +243,6 @@ CHECKS: dict[str, tuple[Check, ...]] = {
              Check("a request that is not to be pulled is left alone", leaves_others_alone),
              Check("once only: do_remote_prefill is cleared, a second call plans nothing", once_only),
              Check("the plan names the producer's request, engine, host and port", names_the_producer),
-             Check("end to end: KV from a producer engine gives a consumer one engine's tokens", e2e_two_engines)),
+             Check("end to end: KV from a producer engine gives a consumer one engine's tokens", e2e_two_engines,
+                   own_model="the grader's tiny Llama")),
 }

@@ -8,7 +8,7 @@ says in Chinese what the first paragraph of the check's docstring says in
 English. tests/test_exercises.py fails when a check has no entry here, or an
 entry names no check.
 
-Chapters 1, 3-9 (the exercises). vLLM 0.32 counterpart: none (teaching material).
+Chapters 1, 3-10 (the exercises). vLLM 0.32 counterpart: none (teaching material).
 """
 
 from __future__ import annotations
@@ -803,7 +803,7 @@ CHINESE: dict[str, dict[str, tuple[str, str]]] = {
         "end to end: KV from a producer engine gives a consumer one engine's tokens": (
             "端到端：用 prefill 引擎送来的 KV，decode 引擎给出和单个引擎一样的 token",
             (
-                "同一个进程里一个 prefill 引擎和一个 decode 引擎，block 4 个 token，fp32：两个 30 个 token 的 "
+                "同一个进程里、评分器自带的小 Llama 上一个 prefill 引擎和一个 decode 引擎，block 4 个 token，fp32：两个 30 个 token 的 "
                 "prompt（第二个和第一个共用 16 个 token）在 prefill 引擎上 prefill，在 decode 引擎上 decode "
                 "8 个 token；得到的 token、从 prefill 引擎拉来的 token 数，以及和单个引擎的 token 比较。"
             ),

@@ -34,6 +34,7 @@ from nanoengine.outputs import ModelRunnerOutput
 from nanoengine.plugins import load_engine_core_plugins
 from nanoengine.request import Request, RequestStatus
 from nanoengine.structured_output import StructuredOutputManager
+from nanoengine.utils.deadlines import with_injected_delay
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ class EngineCore:
         self.step_fn: Callable[[], tuple[EngineCoreOutputs, bool]] = (
             self.step_with_batch_queue if async_scheduling else self.step
         )
+        # The tests' slow-machine switch (NANOENGINE_INJECT_DELAY, utils/deadlines.py);
+        # without it, step_fn stays the method itself.
+        self.step_fn = with_injected_delay(self.step_fn, "step")
         cache_config = engine_config.cache_config
         self.block_hasher = (
             get_request_block_hasher(cache_config.block_size) if cache_config.enable_prefix_caching else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import shutil
 import subprocess
@@ -32,6 +33,9 @@ from nanoengine.engine.core import EngineCore
 from nanoengine.engine.core_proc import ENGINE_CORE_DEAD, EngineCoreRequestType, encode_startup
 from nanoengine.engine.exceptions import EngineDeadError
 from nanoengine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from nanoengine.utils.deadlines import settle, start_critical_thread
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCoreClient(ABC):
@@ -127,6 +131,10 @@ _OUTPUT_WAIT_S = 0.5
 _READY_TIMEOUT_S = 900.0
 # A core that ignores SIGTERM this long is killed.
 _SHUTDOWN_GRACE_S = 5.0
+# A utility call the core has not answered in this long gives up (TimeoutError).
+# The core answers between two steps; even a long prefill step on a slow CPU
+# takes seconds, so this only ends waits on a core that is wedged.
+UTILITY_TIMEOUT_S = 120.0
 # What the core process runs (see nanoengine/engine/core_proc.py ``main``).
 _CORE_MAIN = "from nanoengine.engine.core_proc import main; main()"
 
@@ -146,9 +154,15 @@ class MPClient(EngineCoreClient):
 
     A second thread waits on the process itself: if the core exits while the
     client still wants it (killed, crashed), every waiting call fails with
-    ``EngineDeadError`` instead of waiting forever. The core, for its part,
-    watches its stdin, a pipe only this process writes to, and exits when this
-    process dies.
+    ``EngineDeadError`` instead of waiting forever. The output thread is as
+    critical: if it dies (a frame it cannot decode, say), the engine is dead
+    too. The core, for its part, watches its stdin, a pipe only this process
+    writes to, and exits when this process dies.
+
+    A utility call may be given up before its answer comes (a deadline, or a
+    web page that closed and cancelled its await): the answer, when it comes,
+    finds its future cancelled and is dropped and counted (``num_late_answers``),
+    never raised in the output thread that every request depends on.
     """
 
     def __init__(self, engine_config: EngineConfig) -> None:
@@ -172,17 +186,24 @@ class MPClient(EngineCoreClient):
         self._send_lock = threading.Lock()
         self._encoder = MsgpackEncoder()
         self.outputs_queue: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        # call id -> the future its caller waits on. Callers, the output thread and
+        # the monitor thread all touch it, under _utility_lock; a future leaves it
+        # when answered, given up, or failed by the engine's death.
+        self._utility_lock = threading.Lock()
         self._utility_calls: dict[int, Future[Any]] = {}
         self._call_ids = itertools.count()
+        # Utility answers that came after their caller had given up (dropped).
+        self.num_late_answers = 0
         try:
             self._core_identity, ready = self._wait_for_ready()
         except BaseException:
             self.shutdown()
             raise
         self.engine_core = RemoteEngineCore(self, ready["pid"])
-        self._output_thread = threading.Thread(target=self._process_outputs_socket, name="CoreClientOutput",
-                                               daemon=True)
-        self._output_thread.start()
+        self._output_thread = start_critical_thread(
+            self._process_outputs_socket, "CoreClientOutput",
+            on_death=lambda error: self._engine_died(f"the client's output thread failed ({type(error).__name__}: "
+                                                     f"{error})"))
         threading.Thread(target=self._monitor_core_process, name="CoreClientMonitor", daemon=True).start()
 
     def _wait_for_ready(self) -> tuple[bytes, dict[str, Any]]:
@@ -227,22 +248,25 @@ class MPClient(EngineCoreClient):
             self._engine_died(f"the process exited with code {exit_code}")
 
     def _engine_died(self, detail: str) -> None:
-        if self._dead is not None:
-            return
-        self._dead = EngineDeadError(detail)
+        """Fail every waiting call and every later one (the monitor's, the output thread's last act)."""
+        with self._utility_lock:
+            if self._dead is not None:
+                return
+            self._dead = EngineDeadError(detail)
+            waiting = list(self._utility_calls.values())
+            self._utility_calls.clear()
         self.outputs_queue.put_nowait(self._dead)  # wakes a get_output() that is waiting
-        for future in list(self._utility_calls.values()):
-            future.set_exception(self._dead)
-        self._utility_calls.clear()
+        for future in waiting:
+            settle(future, error=self._dead)  # one its caller cancelled stays cancelled
 
     def _resolve_utility(self, answer: UtilityOutput) -> None:
-        future = self._utility_calls.pop(answer.call_id, None)
-        if future is None:
-            return
-        if answer.failure_message is not None:
-            future.set_exception(RuntimeError(answer.failure_message))
-        else:
-            future.set_result(answer.result)
+        """Hand a utility answer to its caller; an answer nobody waits for any more is dropped."""
+        with self._utility_lock:
+            future = self._utility_calls.pop(answer.call_id, None)
+        error = None if answer.failure_message is None else RuntimeError(answer.failure_message)
+        if future is None or not settle(future, answer.result, error):
+            self.num_late_answers += 1  # only this thread counts
+            logger.debug("Dropped the late answer to utility call %d (its caller gave up).", answer.call_id)
 
     # ---- requests out --------------------------------------------------------------------
 
@@ -253,16 +277,38 @@ class MPClient(EngineCoreClient):
             self.input_socket.send_multipart([self._core_identity, request_type.value, self._encoder.encode(payload)])
 
     def _start_utility(self, method: str, *args: Any) -> Future[Any]:
-        """Ask the core to run ``method(*args)``; the future holds its result."""
+        """Ask the core to run ``method(*args)``; the future holds its result.
+
+        Registered before it is sent (the answer may beat ``send`` back), and
+        taken out again if the send fails: an argument msgpack cannot carry
+        raises here, to the caller, and leaves nothing behind.
+        """
         call_id = next(self._call_ids)
         future: Future[Any] = Future()
-        self._utility_calls[call_id] = future
-        self._send(EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
+        with self._utility_lock:
+            if self._dead is not None:
+                raise self._dead
+            self._utility_calls[call_id] = future
+        try:
+            self._send(EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
+        except BaseException:
+            with self._utility_lock:
+                self._utility_calls.pop(call_id, None)
+            raise
         return future
 
-    def call_utility(self, method: str, *args: Any) -> Any:
-        """Run an ``EngineCore`` method in the core process and return its result."""
-        return self._start_utility(method, *args).result()
+    def call_utility(self, method: str, *args: Any, timeout_s: float = UTILITY_TIMEOUT_S) -> Any:
+        """Run an ``EngineCore`` method in the core process and return its result.
+
+        Waits at most ``timeout_s``, then gives the call up (its answer, if it
+        ever comes, is dropped) and raises ``TimeoutError`` naming the method.
+        """
+        future = self._start_utility(method, *args)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise _no_answer(method, timeout_s) from None
 
     def shutdown(self) -> None:
         """Stop the core process (SIGTERM, then SIGKILL after a grace period) and free the sockets."""
@@ -278,7 +324,7 @@ class MPClient(EngineCoreClient):
                 self.core_process.wait()
         output_thread = getattr(self, "_output_thread", None)
         if output_thread is not None:
-            output_thread.join()
+            output_thread.join(_SHUTDOWN_GRACE_S)  # it looks at _closing every 100 ms
         if self.core_process.stdin is not None:
             self.core_process.stdin.close()
         self._context.destroy(linger=0)
@@ -334,8 +380,18 @@ class AsyncMPClient(SyncMPClient):
     async def get_output_async(self) -> EngineCoreOutputs:
         return await asyncio.get_running_loop().run_in_executor(None, self.get_output)
 
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
-        return await asyncio.wrap_future(self._start_utility(method, *args))
+    async def call_utility_async(self, method: str, *args: Any, timeout_s: float = UTILITY_TIMEOUT_S) -> Any:
+        """``call_utility``, awaited. Cancelling the awaiting task (a client that hung
+        up) or running out of ``timeout_s`` cancels the call; its late answer is dropped."""
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(self._start_utility(method, *args)), timeout_s)
+        except TimeoutError:
+            raise _no_answer(method, timeout_s) from None
+
+
+def _no_answer(method: str, timeout_s: float) -> TimeoutError:
+    return TimeoutError(f"The engine core did not answer the utility call {method!r} within {timeout_s:g} s "
+                        "(is it wedged, or paused by the live view?); the call was given up.")
 
 
 class RemoteEngineCore:

@@ -16,12 +16,15 @@ vLLM therefore runs the core in its own process, and so does nanoengine with
   ``EngineCoreOutputs`` and pushes it to the front end.
 
 The socket threads spend their time in ZMQ calls, which release the GIL, so
-decoding the next request overlaps the forward pass. The front end starts the
+decoding the next request overlaps the forward pass. Both are critical: if one
+dies, the busy loop raises at its next turn and the core dies loudly (below)
+rather than serving on without ears or a mouth. The front end starts the
 process (``MPClient`` in core_client.py: a fresh interpreter running ``main``
 below, its configuration pickled into our stdin) and waits for a ready message
 on the input socket. The core exits when its parent dies (its stdin reaches
-end-of-file) and, if the busy loop fails, tells the front end so with
-``ENGINE_CORE_DEAD`` before it goes.
+end-of-file, or it is handed to a new parent; see ``exit_when_parent_dies``)
+and, if the busy loop fails, tells the front end so with ``ENGINE_CORE_DEAD``
+before it goes.
 
 vLLM 0.32 counterpart: ``EngineCoreProc`` in ``vllm/v1/engine/core.py``
 (``run_engine_core``, ``run_busy_loop``, ``_process_input_queue``,
@@ -59,14 +62,18 @@ from nanoengine.engine import (
 )
 from nanoengine.engine.core import EngineCore
 from nanoengine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from nanoengine.utils.deadlines import injected_delay, start_critical_thread
 from nanoengine.utils.system_utils import encode_startup as encode_startup_message
 from nanoengine.utils.system_utils import exit_when_parent_dies, raise_system_exit, read_startup
 
 logger = logging.getLogger(__name__)
 
 # How long an idle busy loop sleeps in one wait on the input queue before it
-# looks again; a request wakes it at once, this only bounds a shutdown's delay.
+# looks again; a request wakes it at once, this only bounds how late an idle
+# core notices that a socket thread died.
 _IDLE_WAIT_S = 1.0
+# Connecting a socket on this machine takes milliseconds.
+_SOCKET_READY_TIMEOUT_S = 60.0
 
 
 class EngineCoreRequestType(enum.Enum):
@@ -93,16 +100,23 @@ class EngineCoreProc(EngineCore):
     def __init__(self, engine_config: EngineConfig, input_address: str, output_address: str) -> None:
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
         self.output_queue: queue.Queue[EngineCoreOutputs | bytes] = queue.Queue()
+        # Set by a socket thread as it dies; the busy loop raises it at its next turn.
+        self.socket_thread_death: BaseException | None = None
+        # The slow-machine switch (utils/deadlines.py): seconds before each utility answer.
+        self._utility_delay_s = injected_delay("utility")
         # Builds the model, sizes the KV cache, makes the scheduler (chapter 6).
         super().__init__(engine_config)
         ready = threading.Event()
-        threading.Thread(
-            target=self.process_input_sockets, args=(input_address, ready), name="EngineCoreInput", daemon=True
-        ).start()
-        threading.Thread(
-            target=self.process_output_sockets, args=(output_address,), name="EngineCoreOutput", daemon=True
-        ).start()
-        ready.wait()  # the front end has our ready message: requests may come
+        start_critical_thread(lambda: self.process_input_sockets(input_address, ready), "EngineCoreInput",
+                              self._socket_thread_died)
+        start_critical_thread(lambda: self.process_output_sockets(output_address), "EngineCoreOutput",
+                              self._socket_thread_died)
+        if not ready.wait(_SOCKET_READY_TIMEOUT_S):  # the front end has our ready message: requests may come
+            raise TimeoutError(f"The engine core's input thread did not connect to {input_address} within "
+                               f"{_SOCKET_READY_TIMEOUT_S:g} s.")
+
+    def _socket_thread_died(self, error: BaseException) -> None:
+        self.socket_thread_death = error
 
     @staticmethod
     def run_engine_core(
@@ -144,9 +158,15 @@ class EngineCoreProc(EngineCore):
     def _has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.batch_queue)
 
+    def _raise_if_a_socket_thread_died(self) -> None:
+        if self.socket_thread_death is not None:
+            raise RuntimeError(f"a socket thread of the engine core died: {self.socket_thread_death!r}")
+
     def _process_input_queue(self) -> None:
         """Block while idle; then take everything that has arrived, in order."""
+        self._raise_if_a_socket_thread_died()
         while not self._has_work():
+            self._raise_if_a_socket_thread_died()
             try:
                 self._handle_client_request(*self.input_queue.get(timeout=_IDLE_WAIT_S))
             except queue.Empty:
@@ -171,6 +191,8 @@ class EngineCoreProc(EngineCore):
             self.abort_requests(request)
         else:
             call_id, method, args = request
+            if self._utility_delay_s:
+                time.sleep(self._utility_delay_s)
             self.output_queue.put_nowait(EngineCoreOutputs(utility_output=self._run_utility(call_id, method, args)))
 
     def _add_or_reject(self, request: EngineCoreRequest) -> None:
@@ -241,7 +263,7 @@ class EngineCoreProc(EngineCore):
                 if isinstance(outputs, bytes):
                     socket.send(outputs)
                     break
-                socket.send(encoder.encode(outputs))
+                socket.send(_encode_or_refuse(encoder, outputs))
 
     # ---- what utility calls may ask ----------------------------------------------------
 
@@ -274,6 +296,22 @@ class EngineCoreProc(EngineCore):
             "kv_transfer": None if transfer is None else dataclasses.asdict(transfer),
             "num_held_for_remote": stats.num_held_for_remote,
         }
+
+
+def _encode_or_refuse(encoder: MsgpackEncoder, outputs: EngineCoreOutputs) -> bytes:
+    """The outputs as msgpack; a utility answer msgpack cannot carry fails that one call instead.
+
+    A step's outputs that do not encode are a bug: that raises, and the output
+    thread dies loudly (the busy loop then ends the core).
+    """
+    try:
+        return encoder.encode(outputs)
+    except (TypeError, ValueError, OverflowError) as error:
+        answer = outputs.utility_output
+        if answer is None:
+            raise
+        refusal = UtilityOutput(answer.call_id, failure_message=f"the answer could not be sent: {error}")
+        return encoder.encode(EngineCoreOutputs(utility_output=refusal))
 
 
 def main() -> None:

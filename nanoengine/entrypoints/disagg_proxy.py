@@ -36,7 +36,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nanoengine.entrypoints.openai.api_server import cancel_on_disconnect, error_response
+from nanoengine.entrypoints.openai.api_server import GRACEFUL_SHUTDOWN_S, cancel_on_disconnect, error_response
 
 # What the prefill server is asked for: the KV of the prompt, and one token it throws away.
 PREFILL_OVERRIDES: dict[str, Any] = {
@@ -221,7 +221,10 @@ def main(argv: list[str] | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise SystemExit(f"nanoengine proxy: error: a server URL must start with http:// or https://, got {url!r}")
     backends = Backends([u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode])
-    uvicorn.run(build_proxy_app(backends, args.timeout_s), host=args.host, port=args.port, log_level="warning")
+    # A stop waits for open answers as nanoengine serve does, at most GRACEFUL_SHUTDOWN_S (uvicorn's
+    # own default waits for ever, and a relayed stream lasts up to --timeout-s).
+    uvicorn.run(build_proxy_app(backends, args.timeout_s), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
 
 
 if __name__ == "__main__":

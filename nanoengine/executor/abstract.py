@@ -35,6 +35,7 @@ from nanoengine.core.sched.output import GrammarOutput, SchedulerOutput
 from nanoengine.distributed.kv_transfer.utils import KVOutputAggregator
 from nanoengine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from nanoengine.outputs import DraftTokenIds, ModelRunnerOutput
+from nanoengine.utils.deadlines import settle
 from nanoengine.worker.worker import MemoryProfile, Worker
 
 # distributed_executor_backend -> (module, class), imported only when chosen: an
@@ -185,14 +186,14 @@ class Executor(ABC):
         merged: Future[ModelRunnerOutput | None] = Future()
         aggregate = self.kv_output_aggregator.aggregate
 
-        def settle(done: Future[list[ModelRunnerOutput | None]]) -> None:
+        def merge(done: Future[list[ModelRunnerOutput | None]]) -> None:
             error = done.exception()
             if error is not None:
-                merged.set_exception(error)
+                settle(merged, error=error)
             else:
-                merged.set_result(aggregate(done.result()))
+                settle(merged, aggregate(done.result()))
 
-        future.add_done_callback(settle)
+        future.add_done_callback(merge)
         return merged if non_block else merged.result()
 
     @overload

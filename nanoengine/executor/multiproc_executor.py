@@ -38,6 +38,7 @@ through a shared-memory ring buffer and starts workers with ``multiprocessing``.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import signal
@@ -49,7 +50,7 @@ import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
@@ -57,6 +58,7 @@ from typing import Any, cast
 
 from nanoengine.config import EngineConfig
 from nanoengine.executor.abstract import Executor
+from nanoengine.utils.deadlines import settle, start_critical_thread
 from nanoengine.utils.system_utils import (
     describe_exit_code,
     encode_startup,
@@ -158,11 +160,12 @@ class MultiprocExecutor(Executor):
             raise
         # All ranks started together: each rank's init_device waits for the
         # others to join the group, so the ready messages come at about once.
-        self._reply_thread = threading.Thread(
-            target=_reply_loop, args=(weakref.ref(self), [w.connection for w in self.workers]),
-            name="MultiprocExecutorReplies", daemon=True,
+        # Critical: if it dies, no answer would ever reach a caller again, so its
+        # death fails every pending and later call instead.
+        self._reply_thread = start_critical_thread(
+            functools.partial(_reply_loop, weakref.ref(self), [w.connection for w in self.workers]),
+            "MultiprocExecutorReplies", functools.partial(_reply_thread_died, weakref.ref(self)),
         )
-        self._reply_thread.start()
 
     def _wait_for_ready(self) -> None:
         """Each worker's first answer: ready (after init_device and load_model), or its traceback."""
@@ -226,14 +229,14 @@ class MultiprocExecutor(Executor):
             call = self._awaiting[rank].popleft()
         if not ok:
             error = RuntimeError(f"Worker rank {rank} raised in {call.method!r}: {result}")
-            _settle(call.future, error=error)  # popped above, so _fail no longer sees it
+            settle(call.future, error=error)  # popped above, so _fail no longer sees it
             self._fail(error)
             return
         call.results[rank] = result
         call.unanswered -= 1
         if call.unanswered == 0:
             reply = call.results if call.unique_reply_rank is None else call.results[call.unique_reply_rank]
-            _settle(call.future, result=reply)
+            settle(call.future, result=reply)
 
     def _on_worker_death(self, rank: int) -> None:
         if self._closing:
@@ -250,7 +253,7 @@ class MultiprocExecutor(Executor):
             for queue in self._awaiting:
                 queue.clear()
         for call in pending.values():
-            _settle(call.future, error=error)
+            settle(call.future, error=error)  # a caller may have given one up
         self._finalizer()
 
     def shutdown(self) -> None:
@@ -269,15 +272,10 @@ class MultiprocExecutor(Executor):
             worker.connection.close()
 
 
-def _settle(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
-    """Resolve a future that a failure may already have resolved."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass
+def _reply_thread_died(executor_ref: weakref.ref[MultiprocExecutor], error: BaseException) -> None:
+    executor = executor_ref()
+    if executor is not None:
+        executor._fail(RuntimeError(f"the executor's reply thread died ({type(error).__name__}: {error})"))
 
 
 def _reply_loop(executor_ref: weakref.ref[MultiprocExecutor], connections: list[Connection]) -> None:

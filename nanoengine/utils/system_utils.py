@@ -13,7 +13,10 @@ chapter 6's tensor parallelism starts one worker process per rank
 * **stdin stays open** while the parent lives. Only the parent holds the
   writing end, so the kernel closes it when the parent dies, however it dies
   (SIGKILL included): the child reads end-of-file and exits
-  (``exit_when_parent_dies``).
+  (``exit_when_parent_dies``). The watch also notices the child being handed
+  to a new parent (``getppid`` changes), in case anything else still holds
+  that writing end, and it does not trust the main thread to finish: a process
+  still alive a grace period after its parent's death ends itself.
 
 vLLM 0.32 counterpart: vLLM starts its processes with ``multiprocessing`` and
 gives each a "death pipe" read by a thread (``WorkerProc.monitor_death_pipe`` in
@@ -25,15 +28,23 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
+import sys
 import threading
+import time
 from types import FrameType
 from typing import Any
 
 # The length prefix of the start-up message: one little-endian unsigned 64-bit int.
 _LENGTH = struct.Struct("<Q")
+# Once the parent is gone, the main thread gets this long to unwind (SIGTERM,
+# then its ``finally`` blocks); a process still alive after it exits at once.
+PARENT_DEATH_GRACE_S = 5.0
+# How often the parent watch also asks whether the process has a new parent.
+_PARENT_POLL_S = 0.5
 
 
 def encode_startup(arguments: Any) -> bytes:
@@ -71,15 +82,37 @@ def exit_when_parent_dies(parent_alive_fd: int, thread_name: str) -> None:
     """Watch our stdin, whose writing end only the parent holds: end-of-file means it is gone.
 
     The watch thread then sends this process SIGTERM, so a main thread that
-    installed ``raise_system_exit`` unwinds as on an ordinary shutdown. Raw
-    ``os.read`` on the descriptor, not ``sys.stdin``: a thread blocked inside
+    installed ``raise_system_exit`` unwinds as on an ordinary shutdown. Two
+    things can defeat that on a busy machine, so the watch guards both:
+
+    * the end-of-file never comes if another process still holds the writing
+      end (a child forked by the parent before it died): the watch also looks
+      at ``os.getppid()`` every ``_PARENT_POLL_S`` and treats a new parent (the
+      orphan's adoption by init) as the old one's death;
+    * the ``SystemExit`` may be lost (raised inside a finalizer, which Python
+      only prints) or the unwinding may hang (a socket's linger, a worker that
+      ignores us): after ``PARENT_DEATH_GRACE_S`` the watch ends the process
+      with ``os._exit``. Its own children watch their stdin in turn.
+
+    Raw ``os.read`` on the descriptor, not ``sys.stdin``: a thread blocked inside
     Python's buffered reader would hold its lock while the interpreter shuts down.
     """
+    parent = os.getppid()
+
+    def parent_is_gone() -> bool:
+        readable, _, _ = select.select([parent_alive_fd], [], [], _PARENT_POLL_S)
+        if readable and not os.read(parent_alive_fd, 4096):
+            return True  # end-of-file: no process holds the writing end any more
+        return os.getppid() != parent
 
     def watch() -> None:
-        while os.read(parent_alive_fd, 4096):
+        while not parent_is_gone():
             pass
         os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(PARENT_DEATH_GRACE_S)
+        print(f"nanoengine: process {os.getpid()} still running {PARENT_DEATH_GRACE_S:g} s after its parent "
+              f"{parent} died; exiting now.", file=sys.stderr, flush=True)
+        os._exit(1)
 
     threading.Thread(target=watch, name=thread_name, daemon=True).start()
 

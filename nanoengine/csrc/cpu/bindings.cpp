@@ -3,7 +3,10 @@
 // Chapter 7. vLLM 0.32 counterpart: csrc/cpu/torch_bindings.cpp (vLLM registers
 // torch custom ops; a plain pybind11 module is enough here, as nothing is traced
 // or compiled around these calls).
-#include <torch/extension.h>
+// pybind11 and its at::Tensor conversions alone, not <torch/extension.h>: that
+// header adds libtorch's whole C++ frontend, and compiled in 22 s here where
+// this one takes 10 s (the longest file of a variant's build, so its wall time).
+#include <torch/csrc/utils/pybind.h>
 
 #include "ops.h"
 

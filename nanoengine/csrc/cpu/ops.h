@@ -11,7 +11,8 @@
 // ATen's tensor type and the three tensor functions the kernels call, not
 // <torch/extension.h>: that header (all of libtorch's C++ API and Python
 // bindings) took ~30 s to compile per file, most of a variant's build.
-// bindings.cpp alone includes it, for pybind11's conversions of at::Tensor.
+// bindings.cpp alone needs Python, and includes only pybind11's conversions
+// of at::Tensor (<torch/csrc/utils/pybind.h>).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>

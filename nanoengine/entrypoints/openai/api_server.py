@@ -10,6 +10,12 @@ output handler of ``AsyncLLM``); the engine core runs in its own process
 * ``/tokenize``, ``/detokenize``, ``/health`` (503 once the core is gone),
   ``/version``, ``/metrics`` (Prometheus text, vLLM's metric names, see metrics.py).
 
+Once the engine core is dead -- its process killed, or a thread it cannot
+live without gone (``EngineDeadError``, chapter 8) -- every pending and later
+generation fails with a 500 in OpenAI's error body (in-band on a stream that
+already started), ``/health`` answers 503, and the server stays up to say so
+until it is stopped; SIGTERM still stops it within seconds.
+
 Bad input never reaches the engine: every error is OpenAI's JSON body
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status -- 400
 for a malformed or out-of-range request, 401 without the API key, 404 for an
@@ -45,6 +51,7 @@ import os
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from http import HTTPStatus
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -231,14 +238,17 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     @app.get("/metrics", response_class=Response, responses=METRICS)
     async def prometheus_metrics() -> Response:
         if not engine.errored:
-            metrics.update_engine_stats(await engine.get_stats())
+            try:
+                metrics.update_engine_stats(await engine.get_stats())
+            except (EngineDeadError, TimeoutError) as error:  # the last figures stay; /health tells the rest
+                logger.warning("/metrics: the engine core's figures are stale: %s", error)
         return PlainTextResponse(metrics.render(), media_type=metrics.content_type)
 
     return app
 
 
 # On SIGTERM or Ctrl-C, open responses get this long to finish before uvicorn closes
-# them: a live view's feed (/ui) never finishes by itself, and would hold the server.
+# them (a long completion, say; a live view's feed ends at once, see StoppingServer).
 GRACEFUL_SHUTDOWN_S = 10  # seconds
 # The routes --api-key guards: the API, and the live view's data (its page itself holds none).
 GUARDED_PREFIXES = ("/v1", "/ui/api/")
@@ -274,8 +284,8 @@ async def _respond(request: Request, work: Awaitable[Any]) -> Response:
     """Run a generation; a disconnect aborts it, the client's mistakes become 400s."""
     try:
         result = await cancel_on_disconnect(request, work)
-    except EngineDeadError as error:
-        return error_response(503, str(error))
+    except EngineDeadError as error:  # as vLLM: an internal error, and /health turns 503
+        return error_response(500, str(error))
     except KVTransferError as error:  # chapter 10: the prefill engine's KV never arrived
         return error_response(500, str(error))
     except (ValueError, TypeError) as error:
@@ -337,12 +347,30 @@ def run_server(args: argparse.Namespace) -> None:
     app = build_app(engine, args.served_model_name or args.model, args.api_key)
     for add_to_app in load_api_server_plugins().values():
         add_to_app(app, engine, args)  # the instruments' live view (/ui) comes in here
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    access_log=not args.disable_uvicorn_access_log,
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        StoppingServer(config, app).run()
     finally:
         engine.shutdown()
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server, telling the app the moment SIGTERM (or Ctrl-C) arrives.
+
+    uvicorn waits for open responses to finish before it stops; a stream that
+    never ends by itself (the live view's feed) reads ``app.state.shutting_down``
+    and ends at once, so a stop takes a moment, not ``GRACEFUL_SHUTDOWN_S``.
+    """
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.app.state.shutting_down = True
+        super().handle_exit(sig, frame)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,7 +3,10 @@
 Chapter 8 (online serving). FastAPI documents a route's 200 as JSON and adds a
 422 for every parsed body; neither is what this server sends everywhere.
 These tables, passed as the routes' ``responses=``, say what it does send:
-``text/event-stream`` beside JSON for the generation routes, Prometheus' text
+``text/event-stream`` beside JSON for the generation routes (each event
+described as OpenAPI 3.2's ``itemSchema`` describes one: the ``event`` name
+and ``data`` string a client parses, the JSON inside it in ``contentSchema``,
+which is how a schema-driven fuzzer such as schemathesis reads it), Prometheus' text
 format for ``/metrics`` (prometheus_client's ``CONTENT_TYPE_LATEST``), an
 empty body without a content type for ``/health`` (vLLM's
 ``Response(status_code=200)``), and OpenAI's error body for each 4xx and 5xx
@@ -32,7 +35,8 @@ def errors(*statuses: int) -> dict[int | str, JsonDict]:
     why = {400: "A malformed or out-of-range request (pydantic's refusals included).",
            401: "No or a wrong API key (only with --api-key).",
            403: "The live view is read-only (start the server with --enable-ui-control).", 404: "Not the served model.",
-           500: "The prefill server's KV never arrived (chapter 10).", 503: "The engine core is gone."}
+           500: "The engine core died (EngineDeadError), or the prefill server's KV never arrived (chapter 10).",
+           503: "The engine core did not answer in time (busy, or paused by the live view)."}
     return {status: {"model": ErrorResponse, "description": why[status]} for status in statuses}
 
 
@@ -42,12 +46,32 @@ STREAM_CHUNKS: dict[str, type[BaseModel]] = {}
 
 def generation(answer: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, JsonDict]:
     """A generation route: ``answer`` as JSON, or with ``"stream": true`` server-sent events,
-    one ``chunk`` per ``data:`` line and then ``data: [DONE]``."""
+    one ``chunk`` per ``data:`` line (an error body in-band if one comes late), then ``data: [DONE]``."""
     STREAM_CHUNKS[chunk.__name__] = chunk
-    # itemSchema: OpenAPI 3.2's name for the schema of each event of a sequential media type.
-    events = {"schema": {"type": "string", "description": f"data: <{chunk.__name__} JSON> lines, then data: [DONE]"},
-              "itemSchema": {"$ref": f"#/components/schemas/{chunk.__name__}"}}
-    return {200: {"model": answer, "content": {"text/event-stream": events}}, **errors(400, 401, 404, 500, 503)}
+    chunk_or_error = {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
+                                {"$ref": "#/components/schemas/ErrorResponse"}]}
+    data = {"anyOf": [{"const": "[DONE]", "description": "The stream's last event."},
+                      json_text(chunk_or_error, f"One {chunk.__name__}, or an error after the stream began.")]}
+    events = {"itemSchema": sse_event("message", data)}
+    return {200: {"model": answer, "content": {"text/event-stream": events}}, **errors(400, 401, 404, 500)}
+
+
+def json_text(schema: JsonDict, description: str) -> JsonDict:
+    """A string that holds JSON described by ``schema`` (JSON Schema's ``contentSchema``)."""
+    return {"type": "string", "contentMediaType": "application/json", "contentSchema": schema,
+            "description": description}
+
+
+def sse_event(name: str, data: JsonDict) -> JsonDict:
+    """One server-sent event as a client parses it: its name ("message" when no ``event:`` line
+    names it) and its ``data`` string."""
+    return {"type": "object", "required": ["event", "data"], "properties": {"event": {"const": name}, "data": data}}
+
+
+def event_stream(events: dict[str, JsonDict]) -> JsonDict:
+    """A ``text/event-stream`` body of named events, each with JSON data (event name -> its data's schema)."""
+    return {"itemSchema": {"oneOf": [sse_event(name, json_text(schema, str(schema.get("description", ""))))
+                                     for name, schema in events.items()]}}
 
 
 HEALTH: dict[int | str, JsonDict] = {200: {"description": "The engine core is alive: an empty body, no content type (as vLLM)."},

@@ -55,10 +55,12 @@ class LiveViewServer:
     """A running live view: open ``url`` in a browser; ``close()`` (or ``with``) stops it."""
 
     url: str
+    app: FastAPI
     server: uvicorn.Server
     thread: threading.Thread
 
     def close(self) -> None:
+        self.app.state.shutting_down = True  # an open page's feed ends at its next poll
         self.server.should_exit = True
         self.thread.join(timeout=START_TIMEOUT_S)
 
@@ -84,7 +86,7 @@ def serve_live_view(client: EngineCoreClient, port: int = 0, allow_control: bool
                                f"within {START_TIMEOUT_S:.0f} s (is the port taken?)")
         time.sleep(0.01)
     bound = server.servers[0].sockets[0].getsockname()[1]
-    return LiveViewServer(f"http://127.0.0.1:{bound}/ui", server, thread)
+    return LiveViewServer(f"http://127.0.0.1:{bound}/ui", app, server, thread)
 
 
 def _source_for(client: EngineCoreClient) -> FrameSource:
@@ -92,8 +94,8 @@ def _source_for(client: EngineCoreClient) -> FrameSource:
     if isinstance(client, SyncMPClient):  # a core process (multiprocess_mode=True)
         call_utility = client.call_utility
 
-        async def call_in_thread(method: str, *args: Any) -> Any:
-            return await asyncio.to_thread(call_utility, method, *args)
+        async def call_in_thread(method: str, *args: Any, timeout_s: float) -> Any:
+            return await asyncio.to_thread(call_utility, method, *args, timeout_s=timeout_s)
 
         return UtilityFrameSource(call_in_thread)
     core = client.get_engine_core()

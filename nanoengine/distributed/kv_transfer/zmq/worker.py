@@ -10,6 +10,9 @@ on both sides (the scheduler side checks ``tp_size``).
   read is answered with the K/V of the asked blocks, one frame per layer, and
   the hold ends (``finished_sending``: the scheduler frees the blocks). A hold
   nobody reads ends after ``abort_request_timeout_s``; a release ends it at once.
+  The server thread is critical: if it dies, the next ``get_finished`` raises
+  its error, the step fails and the engine dies loudly, instead of holding
+  blocks that no consumer can ever read.
 * **Consumer.** Each pull runs on a thread of a small pool with a DEALER
   socket of its own: send the read, wait for the answer (polling in short
   slices, so an abort or a dead producer never hangs the engine), copy the
@@ -51,6 +54,7 @@ from nanoengine.distributed.kv_transfer.zmq.metadata import (
     PullRequest,
     ZmqConnectorMetadata,
 )
+from nanoengine.utils.deadlines import start_critical_thread
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,9 @@ _POLL_SLICE_MS = 20
 # client heard of the blocks first): it waits this long before "not held here".
 _EARLY_READ_GRACE_S = 5.0
 _SERVER_START_TIMEOUT_S = 10.0
+# A cancelled pull stops within a poll slice, or a second if it must tell the
+# producer first (the release's linger); past this its blocks are not safe to reuse.
+_CANCEL_TIMEOUT_S = 10.0
 _PULL_THREADS = 8
 # Frames are read-only buffers; torch says so once per process. The tensor made
 # from a frame is only ever read (copied into the cache), so the warning is noise.
@@ -106,6 +113,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._finished_sending: set[str] = set()
         self._stats = KVTransferStats()
         self._server: threading.Thread | None = None
+        self._server_death: BaseException | None = None  # set if the server thread died
         # Consumer side: one future per request whose pull is under way.
         self._pullers = ThreadPoolExecutor(max_workers=_PULL_THREADS, thread_name_prefix="nanoengine-kv-pull")
         self._loading: dict[str, _Pull] = {}
@@ -127,15 +135,16 @@ class ZmqConnectorWorker(KVConnectorWorker):
     def _start_server(self) -> None:
         started = threading.Event()
         failure: list[str] = []
-        self._server = threading.Thread(
-            target=self._serve, args=(started, failure), name=f"nanoengine-kv-server-{self.rank}", daemon=True
-        )
-        self._server.start()
+        self._server = start_critical_thread(lambda: self._serve(started, failure),
+                                             f"nanoengine-kv-server-{self.rank}", self._server_died)
         if not started.wait(_SERVER_START_TIMEOUT_S):
             raise TimeoutError(f"the KV block server did not bind {self.address} within {_SERVER_START_TIMEOUT_S} s.")
         if failure:
             raise RuntimeError(f"the KV block server cannot listen on {self.address} (kv_ip, kv_port + rank "
                                f"{self.rank}): {failure[0]}")
+
+    def _server_died(self, error: BaseException) -> None:
+        self._server_death = error
 
     def _serve(self, started: threading.Event, failure: list[str]) -> None:
         """The server thread: answer reads and releases, end expired holds, until shutdown."""
@@ -264,9 +273,15 @@ class ZmqConnectorWorker(KVConnectorWorker):
         for req_id in finished_req_ids & self._loading.keys():
             pull = self._loading.pop(req_id)
             pull.cancel.set()
-            pull.future.exception()  # waits for the thread to leave the copy
+            try:
+                pull.future.exception(_CANCEL_TIMEOUT_S)  # waits for the thread to leave the copy
+            except TimeoutError:
+                raise RuntimeError(f"the pull of request {req_id!r} did not stop within {_CANCEL_TIMEOUT_S:g} s of "
+                                   "its cancel; its blocks cannot safely go to another request") from None
 
     def get_finished(self) -> tuple[set[str], set[str]]:
+        if self._server_death is not None:
+            raise RuntimeError(f"the KV block server of rank {self.rank} died: {self._server_death!r}")
         with self._lock:
             sending, self._finished_sending = self._finished_sending, set()
         recving: set[str] = set()
@@ -364,4 +379,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._pullers.shutdown(wait=True)
         if self._server is not None:
             self._server.join(timeout=5)
+            if self._server.is_alive():
+                # term() would wait for the server's socket to close: forever, if the thread is stuck.
+                logger.warning("The KV block server of rank %d did not stop within 5 s; leaving its socket.", self.rank)
+                return
         self._context.term()
