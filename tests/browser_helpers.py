@@ -94,7 +94,13 @@ class Browser:
 
     def open(self, url: str) -> list[str]:
         """Load ``url`` and let its diagrams render; return every console error,
-        exception, failed request and diagram left unrendered."""
+        exception, failed request and diagram left unrendered.
+
+        The page before is left for a blank one first: a script of it still
+        running (a live view reconnecting to a server that is gone) would
+        otherwise be counted against ``url``."""
+        self.call("Page.navigate", url="about:blank")
+        self.wait_for("Page.loadEventFired")
         self.events.clear()
         self.call("Page.navigate", url=url)
         self.wait_for("Page.loadEventFired")

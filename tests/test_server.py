@@ -142,6 +142,9 @@ def test_malformed_bodies_unknown_models_and_the_server_keeps_serving(server: st
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     assert client.completions.create(model=tiny_llama, prompt="still here", max_tokens=2).choices[0].text is not None
+    for method, path, allowed in (("GET", "/v1/completions", "POST"), ("TRACE", "/ui/api/state", "GET")):
+        wrong = httpx.request(method, f"{server}{path}", headers=headers)  # RFC 9110: a 405 names what is allowed
+        assert wrong.status_code == 405 and wrong.headers["allow"] == allowed and wrong.json()["error"]["code"] == 405
 
 
 def test_tokenize_detokenize_and_metrics(server: str, tiny_llama: str) -> None:

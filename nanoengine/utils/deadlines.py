@@ -125,7 +125,7 @@ def with_injected_delay(function: Callable[[], T], kind: str) -> Callable[[], T]
     delay = injected_delay(kind)
     if delay == 0.0:
         return function
-    logger.warning("%s=%s: %s takes %g s longer (a slow machine, on purpose).",
+    logger.info("%s=%s: %s takes %g s longer (a slow machine, on purpose).",
                    INJECT_DELAY_ENV, os.environ.get(INJECT_DELAY_ENV), DELAY_KINDS[kind], delay)
 
     @functools.wraps(function)

@@ -143,8 +143,11 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         """What the framework refuses on its own (an unknown route, a body that is not
-        UTF-8, JSON nested too deep) gets OpenAI's error body too, typed as vLLM types it."""
-        return error_response(error.status_code, str(error.detail), kind=HTTPStatus(error.status_code).phrase)
+        UTF-8, JSON nested too deep) gets OpenAI's error body too, typed as vLLM types it.
+        Its headers stay: a 405 names the methods the route takes in ``Allow`` (RFC 9110)."""
+        response = error_response(error.status_code, str(error.detail), kind=HTTPStatus(error.status_code).phrase)
+        response.headers.update(error.headers or {})
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
