@@ -186,9 +186,7 @@ class MPClient(EngineCoreClient):
         self._send_lock = threading.Lock()
         self._encoder = MsgpackEncoder()
         self.outputs_queue: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
-        # call id -> the future its caller waits on. Callers, the output thread and
-        # the monitor thread all touch it, under _utility_lock; a future leaves it
-        # when answered, given up, or failed by the engine's death.
+        # call id -> its caller's future; callers, the output and the monitor thread share it.
         self._utility_lock = threading.Lock()
         self._utility_calls: dict[int, Future[Any]] = {}
         self._call_ids = itertools.count()
@@ -277,12 +275,8 @@ class MPClient(EngineCoreClient):
             self.input_socket.send_multipart([self._core_identity, request_type.value, self._encoder.encode(payload)])
 
     def _start_utility(self, method: str, *args: Any) -> Future[Any]:
-        """Ask the core to run ``method(*args)``; the future holds its result.
-
-        Registered before it is sent (the answer may beat ``send`` back), and
-        taken out again if the send fails: an argument msgpack cannot carry
-        raises here, to the caller, and leaves nothing behind.
-        """
+        """Ask the core to run ``method(*args)``; the future holds its result. Registered
+        before it is sent (the answer may come first); a send that fails leaves nothing behind."""
         call_id = next(self._call_ids)
         future: Future[Any] = Future()
         with self._utility_lock:
@@ -298,11 +292,8 @@ class MPClient(EngineCoreClient):
         return future
 
     def call_utility(self, method: str, *args: Any, timeout_s: float = UTILITY_TIMEOUT_S) -> Any:
-        """Run an ``EngineCore`` method in the core process and return its result.
-
-        Waits at most ``timeout_s``, then gives the call up (its answer, if it
-        ever comes, is dropped) and raises ``TimeoutError`` naming the method.
-        """
+        """Run an ``EngineCore`` method in the core process and return its result; after
+        ``timeout_s`` give the call up (a late answer is dropped) and raise ``TimeoutError``."""
         future = self._start_utility(method, *args)
         try:
             return future.result(timeout_s)
