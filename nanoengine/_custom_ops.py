@@ -35,7 +35,8 @@ from nanoengine.platforms.cpu import KERNEL_ISA_FLAGS, cpuinfo_line, kernel_isa
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).parent / "csrc" / "cpu"
-SOURCES = ("attention.cpp", "prefill_attention.cpp", "gemm.cpp", "gemm_bf16.cpp", "layers.cpp", "bindings.cpp")
+SOURCES = ("attention.cpp", "prefill_attention.cpp", "gemm.cpp", "gemm_bf16.cpp", "gguf.cpp", "layers.cpp",
+           "bindings.cpp")
 # One variant per instruction set (nanoengine/platforms/cpu.py, kernel_isa):
 # the same sources with the flags of KERNEL_ISA_FLAGS, e.g. -march=native for
 # "avx512", -march=x86-64-v3 for "avx2". The module name carries the variant and

@@ -45,6 +45,10 @@ class ModelConfig:
     # Chapter 6: True loads no tokenizer; prompts must then be token ids and
     # outputs carry token ids with empty text (vLLM's skip_tokenizer_init).
     skip_tokenizer_init: bool = False
+    # Chapters 2 and 6: "gguf" keeps llama.cpp's quantized blocks in memory, read
+    # from ``gguf_file`` (layers/quantization/); None: the folder's float weights.
+    quantization: Literal["gguf"] | None = None
+    gguf_file: str | None = None
 
     @property
     def hf_text_config(self) -> Any:

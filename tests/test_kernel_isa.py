@@ -3,9 +3,9 @@
 ``nanoengine.platforms.cpu.kernel_isa`` picks the widest variant the CPU runs
 (``avx512`` or ``avx2`` on x86, ``generic`` elsewhere); ``NANOENGINE_CPU_ISA``
 caps it, so an AVX-512 machine builds and runs the AVX2 variant. The kernels'
-own tests (``test_cpu_fast_paths.py``) run on the widest variant in the main
+own tests (``test_cpu_fast_paths.py``, ``test_gguf.py``) run on the widest variant in the main
 test run; on an AVX-512 machine one test here runs the attention, norm,
-RoPE and GEMM tests again in a process capped at AVX2, so both variants are
+RoPE, GEMM and GGUF block tests again in a process capped at AVX2, so both variants are
 compared with the torch reference on every CI run. The last test runs the
 kernel benchmark (``scripts/bench_kernels.py --quick``) once, so the script
 chapter 7's tables come from keeps working; it checks the report, not speeds.
@@ -127,8 +127,9 @@ def test_avx2_variant_matches_the_torch_reference() -> None:
         "-p",
         "no:xdist",
         str(REPO / "tests" / "test_cpu_fast_paths.py"),
+        str(REPO / "tests" / "test_gguf.py"),
         "-k",
-        tests,
+        f"{tests} or gguf_kernel",
     ]
     done = subprocess.run(
         command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600, check=False

@@ -37,6 +37,7 @@ from nanoengine.model_executor.model_loader.loader import LOAD_FORMATS
 from nanoengine.model_executor.models.registry import get_model_class
 from nanoengine.platforms.cpu import default_cpu_dtype
 from nanoengine.transformers_utils.config import get_hf_config, resolve_model_path, trained_context_len
+from nanoengine.transformers_utils.gguf_config import resolve_weights
 from nanoengine.utils.system_utils import usable_cpu_count
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class EngineArgs:
     load_format: Literal["auto", "dummy"] = "auto"
     # Chapter 6: load no tokenizer; prompts are token ids, outputs have empty text.
     skip_tokenizer_init: bool = False
+    # Chapters 2 and 6: "gguf" keeps llama.cpp's quantized blocks (inferred from a .gguf model path).
+    quantization: Literal["gguf"] | None = None
     # Chapter 6: split every layer over N ranks (devices, or shares of a CPU's
     # cores), one worker each. The backend starts the workers: "uni" (one rank,
     # in this process), "mp" (a process per rank) or "ray"; None picks as vLLM
@@ -157,7 +160,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Check the arguments, read the model's config and size the scheduler."""
         self._verify_args()
-        model_path = resolve_model_path(self.model, self.load_format)
+        model_path, gguf_file = resolve_weights(self.model, self.quantization, self.load_format)
         hf_config = get_hf_config(model_path)
         device = _resolve_device(self.device)
         max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
@@ -175,6 +178,8 @@ class EngineArgs:
             cudagraph_capture_sizes=self.cudagraph_capture_sizes,
             load_format=self.load_format,
             skip_tokenizer_init=self.skip_tokenizer_init,
+            quantization="gguf" if gguf_file else None,
+            gguf_file=gguf_file,
         )
         enable_prefix_caching = resolve_prefix_caching(self.enable_prefix_caching, model_config)
         kv_transfer_config = self._kv_transfer_config(model_config, enable_prefix_caching)
@@ -226,6 +231,9 @@ class EngineArgs:
                 f"tensor_parallel_size={size} needs {size} {what}, but this machine has {devices}."
             )
         check_tensor_parallel_size(model_config.hf_text_config, size)
+        if model_config.quantization == "gguf" and size > 1:
+            raise ValueError(f"quantization='gguf' runs on one rank in nanoengine; tensor_parallel_size={size} "
+                             "would split rows of blocks across ranks.")
         return ParallelConfig(tensor_parallel_size=size, distributed_executor_backend=backend)
 
     def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:

@@ -63,7 +63,9 @@ def draft_model_config(engine_config: EngineConfig) -> ModelConfig:
     assert spec is not None and spec.model is not None
     target = engine_config.model_config
     path = resolve_model_path(spec.model, target.load_format)
-    return dataclasses.replace(target, model=spec.model, model_path=path, hf_config=get_hf_config(path))
+    # The draft's own float weights: a GGUF target's file is not the draft's.
+    return dataclasses.replace(target, model=spec.model, model_path=path, hf_config=get_hf_config(path),
+                               quantization=None, gguf_file=None)
 
 
 class DraftModelProposer:

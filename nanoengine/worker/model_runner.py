@@ -192,6 +192,7 @@ class ModelRunner:
             self.linear_backend,
             load_format=self.model_config.load_format,
             seed=self.model_config.seed,
+            gguf_file=self.model_config.gguf_file,
         )
         assert isinstance(model, nn.Module), type(model)
         self.model = model

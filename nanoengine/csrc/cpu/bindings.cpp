@@ -31,6 +31,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_lanes", [] { return kLanes; },
         "Floats per vector in this build (ops.h): 16 with AVX-512, 8 with AVX2, 4 with 128-bit vectors; a "
         "packed_linear panel is two vectors wide");
+  m.def("gguf_dequantize", &gguf_dequantize, "uint8 [rows, row_bytes] GGML blocks -> float32 [rows, cols]",
+        no_gil);
+  m.def("gguf_linear", &gguf_linear, "x @ W^T (+ bias) with W in GGML blocks, x quantized to 8 bits per block",
+        no_gil);
   m.def("rms_norm", &rms_norm, "out = RMSNorm(input) * weight", no_gil);
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += input; input = RMSNorm(residual) * weight",
         no_gil);

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoengine._custom_ops import cpu_ops_available, load_cpu_ops
+from nanoengine.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from nanoengine.platforms.cpu import cpu_bf16_features, kernel_isa, warn_slow_bf16_once
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpu")
@@ -184,6 +185,8 @@ class PackableLinear(nn.Module):
     out_features: int = 0  # set by pack(): a packed weight's shape no longer says it
     in_features: int = 0  # likewise: the plain weight was [out_features, in_features]
     bf16_kernel: str | None = None  # set by pack() for a bf16 weight on "cpu": "amx" or "avx512_bf16"
+    # Set for a quantized weight (layers/quantization/): the method that multiplies by it.
+    quant_method: QuantizeMethodBase | None = None
 
     @property
     def packed(self) -> bool:
@@ -210,6 +213,8 @@ class PackableLinear(nn.Module):
         """x [..., in] -> [..., out]; ``add_bias=False`` leaves the bias out (a
         row-parallel layer adds it once, after summing the ranks' partial results)."""
         bias = self.bias if add_bias else None
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
         if self.backend == "cpu":
             return cpu_linear(x, self.weight, bias, self.out_features, self.bf16_kernel)
         if self.backend == "onednn":
@@ -225,7 +230,8 @@ def process_weights_after_loading(model: nn.Module, backend: str) -> int:
     """
     if backend == "torch":
         return 0
-    layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
+    # A quantized layer keeps its blocks: its method has a fast path of its own.
+    layers = [m for m in model.modules() if isinstance(m, PackableLinear) and m.quant_method is None]
     for layer in layers:
         layer.pack(backend)
     return len(layers)

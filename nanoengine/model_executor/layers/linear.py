@@ -108,6 +108,8 @@ class LinearBase(PackableLinear):
 
     def extra_repr(self) -> str:
         packed = f", {self.backend}" if self.packed else ""
+        if self.quant_method is not None:
+            packed = f", {self.quant_method}"
         split = ""
         if self.tp_size > 1:
             split = (
@@ -298,6 +300,9 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"{type(self).__name__} has no shards; got shard {shard_id!r}.")
         if param is self.bias:
             copy_weight(param, loaded_weight, "row-parallel bias")
+            return
+        if self.quant_method is not None:  # GGUF blocks, on one rank: the whole matrix
+            copy_weight(param, loaded_weight, "row-parallel weight")
             return
         columns = self.input_size_per_partition
         check_shape(loaded_weight, (self.output_size, self.input_size), "The row-parallel weight")

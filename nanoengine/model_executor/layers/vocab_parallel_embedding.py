@@ -41,6 +41,7 @@ from nanoengine.distributed.parallel_state import (
 )
 from nanoengine.model_executor.layers.cpu_linear import PackableLinear
 from nanoengine.model_executor.layers.linear import ShardId, check_shape, copy_weight
+from nanoengine.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from nanoengine.utils.math_utils import cdiv
 
 
@@ -92,6 +93,9 @@ def this_rank_vocab_shard(vocab_size: int) -> VocabShard:
 class VocabParallelEmbedding(nn.Module):
     """Row lookup: token id -> its hidden vector, from this rank's block of the vocabulary."""
 
+    # Set for a quantized matrix (layers/quantization/): it looks up and dequantizes rows.
+    quant_method: QuantizeMethodBase | None = None
+
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
@@ -105,6 +109,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # [num_tokens] int64 -> [num_tokens, hidden]
+        if self.quant_method is not None:  # one rank only (quantization="gguf" refuses more)
+            return self.quant_method.apply(self, input_ids)
         if self.shard.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         start, end = self.shard.start, self.shard.end

@@ -33,6 +33,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoengine.model_executor.layers.cpu_linear import process_weights_after_loading
+from nanoengine.model_executor.model_loader.gguf_loader import GGUFCheckpoint, gguf_config
 from nanoengine.model_executor.model_loader.weight_utils import (
     initialize_dummy_weights,
     safetensors_files,
@@ -79,6 +80,7 @@ def get_model(
     linear_backend: str = "torch",
     load_format: str = "auto",
     seed: int = 0,
+    gguf_file: str | None = None,
 ) -> CausalLM:
     """The ready-to-run model: weights loaded, in eval mode, gradients off.
 
@@ -86,6 +88,8 @@ def get_model(
     ``resolve_linear_backend``); "torch" leaves the plain weights in place.
     ``load_format`` is "auto" (the safetensors in ``model_path``) or "dummy"
     (random values drawn from ``seed``, the folder's weights unread).
+    ``gguf_file``: read the weights from this GGUF instead, and keep its
+    quantized ones as blocks (``quantization="gguf"``).
 
     Typed as the registry's ``CausalLM`` protocol (forward, compute_logits,
     load_weights): the Llama family and the hybrid Qwen3.5 share no base class.
@@ -96,14 +100,20 @@ def get_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}.")
     model_cls = get_model_class(hf_config)
-    if load_format == "auto":
+    if load_format == "auto" and gguf_file is None:
         # Fail on a weightless directory before spending time building the model.
         safetensors_files(model_path)
+    checkpoint = None if gguf_file is None else GGUFCheckpoint(gguf_file)  # a bad file fails here, named
     model = construct_model(model_cls, hf_config, dtype, device)
     # Narrows the protocol to "CausalLM and nn.Module" for the calls below.
     assert isinstance(model, nn.Module), f"{model_cls.__name__} must be an nn.Module"
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
+    elif checkpoint is not None:
+        # vLLM hands the quantization config to every layer's constructor; here each
+        # layer gets its method (and its uint8 blocks) between construction and loading.
+        gguf_config(checkpoint, model, bool(getattr(hf_config, "tie_word_embeddings", False))).quantize_layers(model)
+        model.load_weights(checkpoint.weights())
     else:
         model.load_weights(safetensors_weights_iterator(model_path))
     model.eval()

