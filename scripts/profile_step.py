@@ -114,7 +114,8 @@ def attach(llm: LLM, timer: PartTimer) -> None:
 
 def profile(args: argparse.Namespace) -> tuple[LLM, list[dict[str, float]]]:
     llm = LLM(args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False,
-              max_num_seqs=args.batch, max_model_len=args.context + args.steps + 16, quantization=args.quantization)
+              max_num_seqs=args.batch, max_model_len=args.context + args.steps + 16,
+              quantization=args.quantization)
     timer = PartTimer()
     attach(llm, timer)
     engine = llm.llm_engine

@@ -199,6 +199,20 @@ def test_quantization_gguf_on_a_folder_reads_its_one_gguf(gguf_dir: Path, tmp_pa
         LLM(str(gguf_dir), quantization="gguf")
 
 
+def test_a_gguf_alone_gets_its_config_from_its_metadata(gguf_dir: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No config.json beside the file: the config comes from the GGUF (kept in the cache once),
+    and the engine gives the tokens it gives with the folder's config."""
+    monkeypatch.setenv("NANOENGINE_CACHE", str(tmp_path / "cache"))
+    alone = tmp_path / "alone" / "tiny.gguf"
+    alone.parent.mkdir()
+    shutil.copy(gguf_dir / "tiny.Q8_0.gguf", alone)
+    from_metadata = LLM(str(alone), dtype="float32", max_model_len=64, skip_tokenizer_init=True)
+    from_folder = LLM(str(gguf_dir / "tiny.Q8_0.gguf"), dtype="float32", max_model_len=64, skip_tokenizer_init=True)
+    assert engine_greedy(from_metadata) == engine_greedy(from_folder)
+    assert list((tmp_path / "cache" / "gguf").glob("tiny-*/config.json"))
+
+
 def test_a_truncated_or_foreign_gguf_is_refused_by_name(gguf_dir: Path, tmp_path: Path) -> None:
     whole = (gguf_dir / "tiny.Q8_0.gguf").read_bytes()
     cut = tmp_path / "cut" / "tiny.gguf"

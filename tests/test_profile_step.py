@@ -27,7 +27,7 @@ def test_profile_times_every_part_of_full_decode_steps(
 ) -> None:
     """Only steps where every request decodes are kept, each part was seen, and the bytes line is printed."""
     script = _load_script()
-    args = script.argparse.Namespace(model=tiny_llama, dtype=dtype, batch=3, context=20, steps=4)
+    args = script.argparse.Namespace(model=tiny_llama, dtype=dtype, batch=3, context=20, steps=4, quantization=None)
     llm, steps = script.profile(args)
     assert len(steps) >= 2, f"expected several full decode steps, got {len(steps)}"
     for parts in steps:
@@ -43,7 +43,8 @@ def test_profile_times_every_part_of_full_decode_steps(
 def test_prefill_profile_times_one_prompt_per_step(tiny_llama: str, capsys: pytest.CaptureFixture[str]) -> None:
     """--prefill: each measured step prefills one fresh prompt, its attention and matmuls timed."""
     script = _load_script()
-    args = script.argparse.Namespace(model=tiny_llama, dtype="float32", batch=1, context=40, steps=3, prefill=True)
+    args = script.argparse.Namespace(model=tiny_llama, dtype="float32", batch=1, context=40, steps=3, prefill=True,
+                                     quantization=None)
     _, steps = script.profile_prefill(args)
     assert len(steps) == 3
     for parts in steps:

@@ -1,10 +1,10 @@
 """Which GGUF file ``LLM(...)`` loads, and the Hugging Face folder (config, tokenizer) beside it.
 
-Chapter 6 (``LLM(...)`` construction). vLLM 0.32 counterpart: vLLM's GGUF path
-(``vllm/transformers_utils/gguf_utils.py``, ``check_gguf_file``), which
-accepts a ``.gguf`` path as the model and reads the config from the file.
+Chapter 6 (``LLM(...)`` construction). vLLM 0.32 counterpart: none (0.32
+reads no GGUF file); earlier releases accepted a ``.gguf`` path as the model
+and read the config from the file, as this module does.
 
-Two ways to ask for GGUF weights, as in vLLM:
+Two ways to ask for GGUF weights:
 
 * ``LLM("path/model.gguf")``: the file itself. Its folder gives the config
   and tokenizer when it holds them (``config.json`` beside the file);
@@ -80,13 +80,14 @@ def _write_config_and_tokenizer(gguf: Path, folder: Path) -> None:
 
     from nanoengine.model_executor.model_loader.gguf_loader import ARCHITECTURES, GGUFCheckpoint
 
-    architecture = GGUFCheckpoint(gguf).architecture  # refuses an unsupported one before the slow part
+    checkpoint = GGUFCheckpoint(gguf)  # refuses an unsupported architecture before the slow part
     staging = folder.with_name(folder.name + ".partial")
     staging.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the engine is told by quantization="gguf", not by the config
-    config.architectures = [ARCHITECTURES[architecture]]  # GGUF metadata names no class
+    config.architectures = [ARCHITECTURES[checkpoint.architecture]]  # GGUF metadata names no class
     config.save_pretrained(staging)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
+    if "tokenizer.ggml.model" in checkpoint.reader.fields:  # a file may carry no tokenizer (skip_tokenizer_init)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
     staging.rename(folder)  # whole, or not at all

@@ -2,11 +2,11 @@
 // decode, and a dequantizer for everything larger.
 //
 // Chapter 2 (the bytes a decode step reads) and chapter 7 (the fast paths).
-// vLLM 0.32 counterpart: csrc/quantization/gguf/ (ggml's kernels ported to
-// CUDA: mul_mat_vec_q for decode, dequantize + GEMM for prefill), reached
-// through _fused_mul_mat_gguf in vllm/model_executor/layers/quantization/gguf.py.
-// The block formats, and the torch reference every function here is tested
-// against, are in nanoengine/model_executor/layers/quantization/gguf_blocks.py.
+// vLLM 0.32 counterpart: none for GGUF blocks (see layers/quantization/gguf.py);
+// the scheme is llama.cpp's CPU backend (ggml-cpu: quantize the activations,
+// then ggml_vec_dot_q4_1_q8_1 and its siblings). The block formats, and the
+// torch reference every function here is tested against, are in
+// nanoengine/model_executor/layers/quantization/gguf_blocks.py.
 //
 // The GEMV works as llama.cpp's CPU backend does. A decode step multiplies a
 // few activation rows by a weight that is read once from memory, so the cost

@@ -1,9 +1,10 @@
 """Read a GGUF file (llama.cpp's one-file checkpoint): its weights as blocks, under Hugging Face's names.
 
 Chapter 6 (where the weights of ``LLM(...)`` come from). vLLM 0.32
-counterpart: ``vllm/model_executor/model_loader/gguf_loader.py``
-(``GGUFModelLoader``) and ``gguf_quant_weights_iterator`` in
-``vllm/model_executor/model_loader/weight_utils.py``.
+counterpart: none (0.32 reads no GGUF file; earlier releases had a
+``GGUFModelLoader``); the weights reach ``load_weights`` as a stream of
+(name, tensor) pairs, the way ``vllm/model_executor/model_loader/weight_utils.py``
+streams safetensors.
 
 A GGUF file holds metadata (the architecture, the shapes, the tokenizer) and
 tensors named llama.cpp's way: ``blk.3.attn_q.weight`` is Hugging Face's

@@ -2,8 +2,12 @@
 
 Chapter 2 (decode reads every weight once per step: 5 bits a weight instead
 of 32 is the speed-up) and chapter 6 (the memory it saves). vLLM 0.32
-counterpart: ``vllm/model_executor/layers/quantization/gguf.py``
-(``GGUFConfig``, ``GGUFLinearMethod``, ``GGUFEmbeddingMethod``).
+counterpart: none for GGUF -- its CPU wheel reads no GGUF file (earlier
+releases had a ``GGUFConfig`` with ``GGUFLinearMethod`` and
+``GGUFEmbeddingMethod``, the names used here). Its CPU path for 4-bit weights
+is compressed-tensors' wNa16 scheme
+(``vllm/model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py``),
+which likewise keeps the weights packed and multiplies them as they are.
 
 ``GGUFConfig`` is read off the file: the GGML type of every weight. A layer
 whose weight is a block format (``gguf_blocks.FORMATS``) gets a method; its
@@ -112,7 +116,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
         self.cols = replace_by_blocks(layer, self.qtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return gguf_matmul(x, weight_of(layer), self.qtype, self.cols, bias)
+        return gguf_matmul(x, layer_weight(layer), self.qtype, self.cols, bias)
 
 
 class GGUFEmbeddingMethod(QuantizeMethodBase):
@@ -127,15 +131,15 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
         return f"gguf {self.qtype.name}"
 
     def create_weights(self, layer: nn.Module) -> None:
-        self.dtype = weight_of(layer).dtype
+        self.dtype = layer_weight(layer).dtype
         self.cols = replace_by_blocks(layer, self.qtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x``: token ids [num_tokens] -> their rows [num_tokens, hidden], in the model's dtype."""
-        return gguf_dequantize(weight_of(layer)[x].contiguous(), self.qtype, self.cols).to(self.dtype)
+        return gguf_dequantize(layer_weight(layer)[x].contiguous(), self.qtype, self.cols).to(self.dtype)
 
 
-def weight_of(layer: nn.Module) -> torch.Tensor:
+def layer_weight(layer: nn.Module) -> torch.Tensor:
     weight = layer.weight
     assert isinstance(weight, torch.Tensor), type(weight)
     return weight
@@ -147,6 +151,6 @@ def replace_by_blocks(layer: nn.Module, qtype: GGMLType) -> int:
     The float one was never filled (torch.empty): nothing is lost, and its
     pages were never touched, so it cost no memory either.
     """
-    rows, cols = (int(size) for size in weight_of(layer).shape)
+    rows, cols = (int(size) for size in layer_weight(layer).shape)
     layer.weight = nn.Parameter(torch.empty(rows, row_bytes(qtype, cols), dtype=torch.uint8), requires_grad=False)
     return cols

@@ -1,10 +1,10 @@
 """GGML's block formats, as llama.cpp stores weights in a GGUF file, and a plain torch dequantizer for each.
 
 Chapter 2 (bytes per token: what a decode step reads), chapter 6 (what a
-quantized model keeps in memory). vLLM 0.32 counterpart: the GGUF dequantizing
-kernels of ``csrc/quantization/gguf/`` and ``vllm/model_executor/layers/
-quantization/gguf.py`` (``_fused_mul_mat_gguf``), which call them; the formats
-themselves are ggml's (``ggml-common.h``).
+quantized model keeps in memory). vLLM 0.32 counterpart: none (see
+``gguf.py``); the formats are ggml's (``ggml-common.h`` in llama.cpp), and the
+``gguf`` Python package ports their (de)quantization to numpy, which the tests
+hold this module to.
 
 A quantized matrix [rows, cols] is stored row by row, each row cut into blocks
 of 32 numbers along ``cols``; each block keeps a float16 scale ``d`` (and, for
@@ -16,9 +16,9 @@ Q4_1, a float16 minimum ``m``) and one small integer per number:
     Q4_1    2 (d) + 2 (m) + 16       5.0              d * q + m,    q in [0, 15]
 
 Two 4-bit integers share a byte: byte ``j`` of a Q4 block holds number ``j`` in
-its low nibble and number ``j + 16`` in its high one. E.g. the byte 0x4B of
-Q4_0 block 0 with d = 0.5 gives x[j] = 0.5 * (0xB - 8) = 1.5 and
-x[j + 16] = 0.5 * (0x4 - 8) = -2.0.
+its low nibble and number ``j + 16`` in its high one. E.g. byte ``j`` = 75
+= 4 * 16 + 11 of a Q4_0 block with d = 0.5 gives x[j] = 0.5 * (11 - 8) = 1.5
+and x[j + 16] = 0.5 * (4 - 8) = -2.0.
 
 In memory a quantized weight stays what the file holds: a uint8 tensor
 [rows, blocks_per_row * bytes_per_block], so a row slice is a slice of the
