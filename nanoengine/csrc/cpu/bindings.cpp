@@ -33,7 +33,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "packed_linear panel is two vectors wide");
   m.def("gguf_dequantize", &gguf_dequantize, "uint8 [rows, row_bytes] GGML blocks -> float32 [rows, cols]",
         no_gil);
-  m.def("gguf_linear", &gguf_linear, "x @ W^T (+ bias) with W in GGML blocks, x quantized to 8 bits per block",
+  m.def("gguf_linear", &gguf_linear, "x @ W^T (+ bias) with W in GGML blocks dequantized in registers, x float32",
+        no_gil);
+  m.def("gguf_linear_q8", &gguf_linear_q8, "x @ W^T (+ bias) with W in GGML blocks, x rounded to 8 bits per block",
         no_gil);
   m.def("rms_norm", &rms_norm, "out = RMSNorm(input) * weight", no_gil);
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += input; input = RMSNorm(residual) * weight",

@@ -1,238 +1,131 @@
-// Linear layers over GGML blocks (Q8_0, Q4_0, Q4_1): a quantized GEMV for
-// decode, and a dequantizer for everything larger.
+// Linear layers over GGML blocks (Q8_0, Q4_0, Q4_1): a GEMV for decode whose
+// activations stay float32, and a dequantizer for everything larger.
 //
 // Chapter 2 (the bytes a decode step reads) and chapter 7 (the fast paths).
-// vLLM 0.32 counterpart: none for GGUF blocks (see layers/quantization/gguf.py);
-// the scheme is llama.cpp's CPU backend (ggml-cpu: quantize the activations,
-// then ggml_vec_dot_q4_1_q8_1 and its siblings). The block formats, and the
-// torch reference every function here is tested against, are in
-// nanoengine/model_executor/layers/quantization/gguf_blocks.py.
+// vLLM 0.32 counterpart: none for GGUF blocks (see layers/quantization/gguf.py).
+// The block formats, and the torch reference every function here is tested
+// against, are in nanoengine/model_executor/layers/quantization/gguf_blocks.py;
+// what this GEMV shares with gguf_q8.cpp (llama.cpp's scheme, x in 8 bits) is
+// in gguf_common.h.
 //
-// The GEMV works as llama.cpp's CPU backend does. A decode step multiplies a
-// few activation rows by a weight that is read once from memory, so the cost
-// is the weight's bytes: 5 bits a number for Q4_1 instead of fp32's 32. To
-// spend as few instructions as possible per weight byte, the activations are
-// quantized too, once per call, to 8-bit integers with one float scale per
-// block of 32 ("Q8" rows: x ~= dx * qx); then each block pair is one integer
-// dot product of 32 multiply-adds:
+// A decode step multiplies a few activation rows by a weight read once from
+// memory, so its cost is the weight's bytes: 5 bits a number for Q4_1 instead
+// of fp32's 32. This GEMV dequantizes each weight block into registers,
 //
-//   Q8_0:  sum_j (dw qw_j)(dx qx_j)         = dw dx * sum_j qw_j qx_j
-//   Q4_0:  sum_j (dw (qw_j - 8))(dx qx_j)   = dw dx * (sum_j qw_j qx_j - 8 sum_j qx_j)
-//   Q4_1:  sum_j (dw qw_j + m)(dx qx_j)     = dw dx * sum_j qw_j qx_j + m dx sum_j qx_j
+//   Q8_0: w_j = d q_j      Q4_0: w_j = d (q_j - 8)      Q4_1: w_j = d q_j + m
 //
-// sum_j qx_j is computed once per activation block. Rounding the activations
-// to 8 bits costs accuracy llama.cpp also pays: the tests bound the logits
-// against the fp32 product of the dequantized weight.
-#include "ops.h"
+// and multiplies it into every activation row while it is there. Its products
+// are the reference's (the dequantized weight times x) in another order, so
+// its greedy tokens are the reference's: 1600 of 1600 over SmolLM2's 50
+// English prompts of chapter 2's benchmark, where rounding x to 8 bits as
+// llama.cpp does (gguf_q8.cpp) changed 33 of the 50.
+//
+// What it costs, measured on a 2-core Xeon (AVX-512), a decode step's 30
+// layers of SmolLM2's Q4_1 matmuls: batch 1, 5.7 ms against the Q8 GEMV's
+// 4.1 ms (a block dequantized for one row is ~17 vector instructions; the Q8
+// dot product ~10); batch 8, 14.7 ms against 16.0 ms (the dequantized block
+// serves eight rows, and a float multiply-add is one instruction per row).
+#include "gguf_common.h"
 
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#if defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
+using namespace gguf;
 
 namespace {
 
-constexpr int kBlock = 32;
-// ggml's type ids (GGMLType in gguf_blocks.py).
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
-// Activation rows one pass over the weight serves; more rows go in several passes.
-constexpr int64_t kMaxRowsPerPass = 8;
-
-int64_t block_bytes(int64_t qtype) {
-  switch (qtype) {
-    case kQ8_0: return 34;
-    case kQ4_0: return 18;
-    case kQ4_1: return 20;
-  }
-  TORCH_CHECK(false, "GGML type ", qtype, " is not a block format kept here (Q8_0 = 8, Q4_0 = 2, Q4_1 = 3)");
-}
-
-// One activation row in Q8: 32 int8 per block, its scale, and the sum of its integers.
-struct Q8Row {
-  const int8_t* q;   // [cols]
-  const float* d;    // [cols / 32]
-  const int32_t* s;  // [cols / 32]: sum_j q_j of each block
-};
-
-// x [cols] -> q, d, s: d = max|x| / 127, q = round(x / d), as ggml's quantize_row_q8_0.
-void quantize_row_q8(const float* x, int64_t cols, int8_t* q, float* d, int32_t* s) {
-  for (int64_t b = 0; b < cols / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float scale = amax / 127.f;
-    const float inverse = scale != 0.f ? 1.f / scale : 0.f;
-    int32_t sum = 0;
-    for (int j = 0; j < kBlock; ++j) {
-      const int v = static_cast<int>(std::nearbyint(xb[j] * inverse));
-      q[b * kBlock + j] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    d[b] = scale;
-    s[b] = sum;
-  }
-}
+constexpr int kVecsPerBlock = kBlock / kLanes;  // 2 with AVX-512, 4 with AVX2, 8 with 128-bit vectors
 
 #ifdef __AVX2__
-// The 32 integers of a weight block as unsigned or signed bytes in one register.
-inline __m256i q4_block(const uint8_t* qs) {  // 16 bytes -> numbers 0..15 (low nibbles), 16..31 (high)
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-  return _mm256_set_m128i(high, low);
-}
-
-// sum_j u_j * s_j over 32 unsigned bytes u and signed bytes s, as 8 int32 partial sums.
-inline __m256i dot_u8_s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);  // one instruction, no 16-bit step
+// 16 integers, one a byte (signed for Q8_0), -> floats in 16 / kLanes vectors.
+// Spelled with intrinsics: GCC lowered the portable __builtin_convertvector of
+// a byte vector one lane at a time, and the GEMV ran 15x slower.
+template <bool SIGNED>
+inline void widen_16_bytes(__m128i bytes, FloatVec* out) {
+#ifdef __AVX512F__
+  const __m512 floats = _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
+  std::memcpy(out, &floats, sizeof(floats));
 #else
-  // Pairs of products as int16 (at most 2 * 255 * 127 fits only for weights
-  // below 129: true of every format here), then pairs of those as int32.
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  for (int part = 0; part < 2; ++part) {  // bytes 0..7, then 8..15
+    const __m128i eight = part == 0 ? bytes : _mm_srli_si128(bytes, 8);
+    const __m256 floats = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight));
+    std::memcpy(out + part, &floats, sizeof(floats));
+  }
 #endif
 }
 
-inline float hsum(__m256 v) {
-  const __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
-  return _mm_cvtss_f32(_mm_add_ss(sum2, _mm_movehdup_ps(sum2)));
-}
-#endif
+inline __m128i load_16_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
-float half_to_float(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#ifdef __F16C__
-  return _cvtsh_ss(bits);  // one instruction; c10::Half's portable path takes a dozen
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
-
-#ifdef __AVX2__
-// The integers of one weight block as unsigned bytes, and the sign to move onto
-// the activations: |w| * (sign(w) x) = w x keeps the dot product unsigned x signed.
+// One weight block -> w[kVecsPerBlock], the block's numbers 0..31 in order.
 template <int64_t QTYPE>
-inline void load_block(const uint8_t* block, __m256i& weights, __m256i& sign) {
+inline void dequantize_block(const uint8_t* block, FloatVec* w) {
+  constexpr int half = kVecsPerBlock / 2;  // vectors per 16 numbers
+  const float d = half_to_float(block);
   if constexpr (QTYPE == kQ8_0) {
-    const __m256i signed_w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-    weights = _mm256_sign_epi8(signed_w, signed_w);
-    sign = signed_w;
+    widen_16_bytes<true>(load_16_bytes(block + 2), w);
+    widen_16_bytes<true>(load_16_bytes(block + 18), w + half);
+    for (int k = 0; k < kVecsPerBlock; ++k) w[k] *= d;
   } else {
-    weights = q4_block(block + (QTYPE == kQ4_1 ? 4 : 2));
-    sign = weights;  // unused: Q4 integers need no sign moved
+    // Byte j holds number j (low nibble) and number j + 16 (high nibble).
+    const __m128i bytes = load_16_bytes(block + (QTYPE == kQ4_1 ? 4 : 2));
+    widen_16_bytes<false>(_mm_and_si128(bytes, _mm_set1_epi8(0x0F)), w);
+    widen_16_bytes<false>(_mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F)), w + half);
+    const float shift = QTYPE == kQ4_1 ? half_to_float(block + 2) : -8.f * d;
+    for (int k = 0; k < kVecsPerBlock; ++k) w[k] = d * w[k] + shift;
   }
-}
-
-// One block of a weight row against one block of ROWS activation rows: each
-// row's integer dot product, scaled by dw * dx, added to that row's accumulator.
-template <int64_t QTYPE, int ROWS>
-inline void block_times_x(const uint8_t* block, int64_t b, const Q8Row* x, __m256* acc, float* offset) {
-  __m256i weights, sign;
-  load_block<QTYPE>(block, weights, sign);
-  const float dw = half_to_float(block);
-  const float minimum = QTYPE == kQ4_1 ? half_to_float(block + 2) : 0.f;
-  for (int m = 0; m < ROWS; ++m) {
-    __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[m].q + b * kBlock));
-    if constexpr (QTYPE == kQ8_0) xq = _mm256_sign_epi8(xq, sign);  // Q4 integers are unsigned already
-    const __m256i products = dot_u8_s8(weights, xq);  // 8 int32 partial sums
-    const float dx = x[m].d[b];
-    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products), _mm256_set1_ps(dw * dx), acc[m]);
-    if constexpr (QTYPE == kQ4_0) offset[m] -= 8.f * dw * dx * static_cast<float>(x[m].s[b]);
-    if constexpr (QTYPE == kQ4_1) offset[m] += minimum * dx * static_cast<float>(x[m].s[b]);
-  }
-}
-
-// out[m] = row . x[m] for one weight row and ROWS Q8 activation rows. ROWS is
-// a template argument so that the accumulators live in registers (an array
-// indexed at run time lives in memory: every multiply-add then waits for a
-// store and a load). Even and odd blocks go to separate accumulators: a
-// multiply-add waits ~4 cycles for the one before it into the same register,
-// and at batch 1 that chain, not memory, was the limit.
-template <int64_t QTYPE, int ROWS>
-void dot_row(const uint8_t* w, int64_t blocks, const Q8Row* x, float* out) {
-  constexpr int64_t bytes = QTYPE == kQ8_0 ? 34 : QTYPE == kQ4_0 ? 18 : 20;
-  __m256 even[ROWS], odd[ROWS];
-  // The Q4_0 and Q4_1 terms of sum_j qx_j, in scalars: two of them, for the same reason.
-  float even_offset[ROWS] = {}, odd_offset[ROWS] = {};
-  for (int m = 0; m < ROWS; ++m) even[m] = odd[m] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 1 < blocks; b += 2) {
-    block_times_x<QTYPE, ROWS>(w + b * bytes, b, x, even, even_offset);
-    block_times_x<QTYPE, ROWS>(w + (b + 1) * bytes, b + 1, x, odd, odd_offset);
-  }
-  if (b < blocks) block_times_x<QTYPE, ROWS>(w + b * bytes, b, x, even, even_offset);
-  for (int m = 0; m < ROWS; ++m) out[m] = hsum(_mm256_add_ps(even[m], odd[m])) + even_offset[m] + odd_offset[m];
 }
 #else
-// The plain loop of the formulas at the top of this file (the generic variant: no AVX2).
-template <int64_t QTYPE, int ROWS>
-void dot_row(const uint8_t* w, int64_t blocks, const Q8Row* x, float* out) {
-  constexpr int64_t bytes = QTYPE == kQ8_0 ? 34 : QTYPE == kQ4_0 ? 18 : 20;
-  constexpr int64_t rows = ROWS;
-  for (int64_t m = 0; m < rows; ++m) out[m] = 0.f;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = w + b * bytes;
-    const float dw = half_to_float(block);
-    for (int64_t m = 0; m < rows; ++m) {
-      const int8_t* xq = x[m].q + b * kBlock;
-      int32_t sum = 0;
-      for (int j = 0; j < kBlock; ++j) {
-        int qw;
-        if constexpr (QTYPE == kQ8_0) qw = static_cast<int8_t>(block[2 + j]);
-        else qw = (block[(QTYPE == kQ4_1 ? 4 : 2) + (j % 16)] >> (j < 16 ? 0 : 4)) & 0x0F;
-        sum += qw * xq[j];
-      }
-      const float scale = dw * x[m].d[b];
-      out[m] += scale * static_cast<float>(sum);
-      if constexpr (QTYPE == kQ4_0) out[m] -= 8.f * scale * static_cast<float>(x[m].s[b]);
-      if constexpr (QTYPE == kQ4_1) out[m] += half_to_float(block + 2) * x[m].d[b] * static_cast<float>(x[m].s[b]);
+// The generic variant: the block dequantized into memory, then loaded.
+template <int64_t QTYPE>
+inline void dequantize_block(const uint8_t* block, FloatVec* w) {
+  float numbers[kBlock];
+  const float d = half_to_float(block);
+  for (int j = 0; j < kBlock; ++j) {
+    if constexpr (QTYPE == kQ8_0) {
+      numbers[j] = d * static_cast<int8_t>(block[2 + j]);
+    } else {
+      const int q = (block[(QTYPE == kQ4_1 ? 4 : 2) + j % 16] >> (j < 16 ? 0 : 4)) & 0x0F;
+      numbers[j] = d * q + (QTYPE == kQ4_1 ? half_to_float(block + 2) : -8.f * d);
     }
   }
+  for (int k = 0; k < kVecsPerBlock; ++k) w[k] = load_vec(numbers + k * kLanes);
 }
 #endif
 
-// dot_row with the row count as a template argument: 1 to kMaxRowsPerPass.
-template <int64_t QTYPE>
-void dot_rows(const uint8_t* w, int64_t blocks, const Q8Row* x, int64_t rows, float* out) {
-  switch (rows) {
-    case 1: return dot_row<QTYPE, 1>(w, blocks, x, out);
-    case 2: return dot_row<QTYPE, 2>(w, blocks, x, out);
-    case 3: return dot_row<QTYPE, 3>(w, blocks, x, out);
-    case 4: return dot_row<QTYPE, 4>(w, blocks, x, out);
-    case 5: return dot_row<QTYPE, 5>(w, blocks, x, out);
-    case 6: return dot_row<QTYPE, 6>(w, blocks, x, out);
-    case 7: return dot_row<QTYPE, 7>(w, blocks, x, out);
-    default: return dot_row<QTYPE, 8>(w, blocks, x, out);
-  }
+inline float sum_lanes(FloatVec v) {
+  float total = 0.f;
+  for (int i = 0; i < kLanes; ++i) total += v[i];
+  return total;
 }
 
-// Every weight row of [begin, end) against every activation row, in passes of kMaxRowsPerPass.
-template <int64_t QTYPE>
-void rows_times_x(const uint8_t* w, int64_t bytes_per_row, int64_t blocks, const std::vector<Q8Row>& x,
-                  const float* bias, int64_t out_features, float* out, int64_t begin, int64_t end) {
-  const int64_t rows = static_cast<int64_t>(x.size());
-  float dots[kMaxRowsPerPass];
-  for (int64_t n = begin; n < end; ++n) {
-    for (int64_t first = 0; first < rows; first += kMaxRowsPerPass) {
-      const int64_t count = std::min(kMaxRowsPerPass, rows - first);
-      dot_rows<QTYPE>(w + n * bytes_per_row, blocks, &x[first], count, dots);
-      for (int64_t m = 0; m < count; ++m) out[(first + m) * out_features + n] = dots[m] + (bias ? bias[n] : 0.f);
+// out[m] = row . x[m] for one weight row and ROWS float rows of x (x[m] = x + m * cols).
+// Each dequantized block meets every row while it is in registers. Where
+// ROWS x kVecsPerBlock accumulators fit the registers (AVX-512: 8 x 2 of 32),
+// each multiply-add goes straight into one; otherwise (AVX2 from 3 rows: 4
+// vectors a block) a row's products are summed first, then added to one
+// accumulator per row -- a fifth more instructions, but no spill to memory.
+template <int64_t QTYPE, int ROWS>
+void dot_row_float(const uint8_t* w, int64_t blocks, const float* x, int64_t cols, float* out) {
+  constexpr int64_t bytes = kBlockBytes<QTYPE>;
+  constexpr bool direct = (ROWS + 1) * kVecsPerBlock + 2 <= kVectorRegisters;
+  constexpr int per_row = direct ? kVecsPerBlock : 1;
+  FloatVec acc[ROWS][per_row] = {};
+  FloatVec wv[kVecsPerBlock];
+  for (int64_t b = 0; b < blocks; ++b) {
+    dequantize_block<QTYPE>(w + b * bytes, wv);
+    for (int m = 0; m < ROWS; ++m) {
+      const float* xb = x + m * cols + b * kBlock;
+      if constexpr (direct) {
+        for (int k = 0; k < kVecsPerBlock; ++k) acc[m][k] += wv[k] * load_vec(xb + k * kLanes);
+      } else {
+        FloatVec product = wv[0] * load_vec(xb);
+        for (int k = 1; k < kVecsPerBlock; ++k) product += wv[k] * load_vec(xb + k * kLanes);
+        acc[m][0] += product;
+      }
     }
   }
-}
-
-void check_blocks(const at::Tensor& qweight, int64_t qtype, int64_t cols) {
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
-              "qweight must be a contiguous uint8 [rows, row_bytes] tensor");
-  TORCH_CHECK(cols % kBlock == 0, "cols must be a multiple of ", kBlock, ", got ", cols);
-  TORCH_CHECK(qweight.size(1) == cols / kBlock * block_bytes(qtype), "qweight rows hold ", qweight.size(1),
-              " bytes; ", cols, " numbers of type ", qtype, " take ", cols / kBlock * block_bytes(qtype));
+  for (int m = 0; m < ROWS; ++m) {
+    FloatVec total = acc[m][0];
+    for (int k = 1; k < per_row; ++k) total += acc[m][k];
+    out[m] = sum_lanes(total);
+  }
 }
 
 }  // namespace
@@ -270,33 +163,16 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor qweight, int64_t qtype, c10::opt
   check_float_contiguous(x, "x");
   check_blocks(qweight, qtype, cols);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == cols, "x must be [rows, ", cols, "], got ", x.sizes());
-  const int64_t rows = x.size(0), out_features = qweight.size(0), blocks = cols / kBlock;
-  const int64_t bytes_per_row = qweight.size(1);
-
-  // Every activation row in Q8, once (x [rows, cols] -> q [rows, cols], d and s [rows, blocks]).
-  std::vector<int8_t> q(rows * cols);
-  std::vector<float> d(rows * blocks);
-  std::vector<int32_t> s(rows * blocks);
+  const int64_t rows = x.size(0), blocks = cols / kBlock;
+  at::Tensor out = at::empty({rows, qweight.size(0)}, x.options());
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      quantize_row_q8(xp + m * cols, cols, &q[m * cols], &d[m * blocks], &s[m * blocks]);
-  });
-  std::vector<Q8Row> x8(rows);
-  for (int64_t m = 0; m < rows; ++m) x8[m] = {&q[m * cols], &d[m * blocks], &s[m * blocks]};
-
-  at::Tensor out = at::empty({rows, out_features}, x.options());
-  float* o = out.data_ptr<float>();
-  const uint8_t* w = qweight.data_ptr<uint8_t>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  // Weight rows split over the threads; each row meets every activation row
-  // (in passes of kMaxRowsPerPass) while it is in cache.
-  at::parallel_for(0, out_features, 32, [&](int64_t begin, int64_t end) {
-    switch (qtype) {
-      case kQ8_0: return rows_times_x<kQ8_0>(w, bytes_per_row, blocks, x8, b, out_features, o, begin, end);
-      case kQ4_0: return rows_times_x<kQ4_0>(w, bytes_per_row, blocks, x8, b, out_features, o, begin, end);
-      default: return rows_times_x<kQ4_1>(w, bytes_per_row, blocks, x8, b, out_features, o, begin, end);
-    }
+  with_format(qtype, [&](auto format) {
+    gemv_rows(qweight, rows, b, out, [&](const uint8_t* row, int64_t first, int64_t count, float* dots) {
+      with_row_count(count, [&](auto rows_tag) {
+        dot_row_float<format(), rows_tag()>(row, blocks, xp + first * cols, cols, dots);
+      });
+    });
   });
   return out;
 }

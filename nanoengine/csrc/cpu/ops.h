@@ -3,7 +3,7 @@
 // Chapter 7. vLLM 0.32 counterpart: csrc/cpu/ (cpu_types.hpp and the *_ops
 // declarations in csrc/ops.h). Python reaches these through
 // nanoengine/_custom_ops.py, which builds attention.cpp, prefill_attention.cpp,
-// gemm.cpp, gemm_bf16.cpp, gguf.cpp, layers.cpp and bindings.cpp into one extension
+// gemm.cpp, gemm_bf16.cpp, gguf.cpp, gguf_q8.cpp, layers.cpp and bindings.cpp into one extension
 // module per instruction-set variant (AVX-512, AVX2, generic): the widths and
 // tile sizes below follow the variant's __AVX512F__.
 #pragma once
@@ -49,11 +49,14 @@ at::Tensor packed_linear_bf16(at::Tensor x, at::Tensor packed, c10::optional<at:
                               int64_t out_features, const std::string& kernel);
 std::vector<std::string> bf16_gemm_kernels();
 
-// Linear layers over GGML blocks (gguf.cpp): a weight kept as uint8 [rows, row_bytes]
-// of Q8_0 (8), Q4_0 (2) or Q4_1 (3) blocks; the GEMV quantizes x to 8 bits per block.
+// Linear layers over GGML blocks (gguf.cpp, gguf_q8.cpp): a weight kept as uint8
+// [rows, row_bytes] of Q8_0 (8), Q4_0 (2) or Q4_1 (3) blocks. gguf_linear keeps x
+// in float32; gguf_linear_q8 rounds it to 8 bits per block, as llama.cpp does.
 at::Tensor gguf_dequantize(at::Tensor qweight, int64_t qtype, int64_t cols);
 at::Tensor gguf_linear(at::Tensor x, at::Tensor qweight, int64_t qtype, c10::optional<at::Tensor> bias,
                        int64_t cols);
+at::Tensor gguf_linear_q8(at::Tensor x, at::Tensor qweight, int64_t qtype, c10::optional<at::Tensor> bias,
+                          int64_t cols);
 
 // Decoder-layer pieces (layers.cpp).
 void rms_norm(at::Tensor out, at::Tensor input, at::Tensor weight, double eps);

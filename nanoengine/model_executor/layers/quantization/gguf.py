@@ -19,9 +19,14 @@ then agree. The norms, in float32 in every GGUF, stay float.
 ``GGUFLinearMethod.apply`` multiplies in one of two ways, by the number of
 rows (tokens) in the step:
 
-* up to ``GEMV_MAX_ROWS`` (decode, small batches): ``gguf_linear`` of
-  ``csrc/cpu/gguf.cpp``, which reads each weight block once and dots it with
-  every row, the activations rounded to 8 bits per block as llama.cpp does;
+* up to ``GEMV_MAX_ROWS`` (decode, small batches): a GEMV of
+  ``csrc/cpu/gguf.cpp``, which reads each weight block once and multiplies it
+  into every row while it is in registers. By default the activations stay
+  float32 (``gguf_linear``): the products are the reference's, in another
+  order, and so are the greedy tokens. ``NANOENGINE_GGUF_ACTIVATIONS=q8``
+  rounds them to 8 bits per block first, as llama.cpp does
+  (``gguf_linear_q8``): faster at batch 1, but it flips near-tie tokens
+  (figures in gguf.cpp);
 * more rows (prefill): the weight dequantized to float32 for this call and an
   ordinary matmul; prefill is compute-bound, and a float product is the
   fastest there is.
@@ -31,6 +36,8 @@ dequantize`` and ``F.linear``, exact to float32 rounding.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +49,17 @@ from nanoengine.model_executor.layers.quantization.gguf_blocks import FORMATS, G
 
 # Steps with at most this many rows take the quantized GEMV; more rows dequantize.
 GEMV_MAX_ROWS = 8
+# What the GEMV does with the activations: "float32" (the default) or "q8" (llama.cpp's way).
+ACTIVATIONS_ENV = "NANOENGINE_GGUF_ACTIVATIONS"
+GEMV_ACTIVATIONS = ("float32", "q8")
+
+
+def gemv_activations() -> str:
+    """The GEMV's activations this process asks for, checked."""
+    value = os.environ.get(ACTIVATIONS_ENV, "float32")
+    if value not in GEMV_ACTIVATIONS:
+        raise ValueError(f"{ACTIVATIONS_ENV}={value!r}: expected one of {', '.join(GEMV_ACTIVATIONS)}.")
+    return value
 
 
 def gguf_dequantize(qweight: torch.Tensor, qtype: GGMLType, cols: int) -> torch.Tensor:
@@ -53,12 +71,17 @@ def gguf_dequantize(qweight: torch.Tensor, qtype: GGMLType, cols: int) -> torch.
 
 
 def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLType, cols: int,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W^T (+ bias)`` with ``W`` in blocks: x [..., cols] -> [..., rows], in x's dtype."""
+                bias: torch.Tensor | None, activations: str = "float32") -> torch.Tensor:
+    """``x @ W^T (+ bias)`` with ``W`` in blocks: x [..., cols] -> [..., rows], in x's dtype.
+
+    ``activations`` ("float32" or "q8") picks the GEMV of a decode-sized step.
+    """
     rows = x.reshape(-1, cols)  # [num_tokens, cols]
     if rows.shape[0] <= GEMV_MAX_ROWS and qweight.device.type == "cpu" and cpu_ops_available():
         float_bias = None if bias is None else bias.float()
-        out = load_cpu_ops().gguf_linear(rows.float().contiguous(), qweight, int(qtype), float_bias, cols)
+        ops = load_cpu_ops()
+        gemv = ops.gguf_linear if activations == "float32" else ops.gguf_linear_q8
+        out = gemv(rows.float().contiguous(), qweight, int(qtype), float_bias, cols)
     else:
         weight = gguf_dequantize(qweight, qtype, cols).to(x.dtype)  # [rows, cols], this call only
         out = F.linear(rows, weight, bias)
@@ -108,6 +131,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
     def __init__(self, qtype: GGMLType) -> None:
         self.qtype = qtype
         self.cols = 0  # the float matrix's columns (set by create_weights)
+        self.activations = gemv_activations()  # read once, at load: a bad value fails LLM(...)
 
     def __repr__(self) -> str:
         return f"gguf {self.qtype.name}"
@@ -116,7 +140,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
         self.cols = replace_by_blocks(layer, self.qtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return gguf_matmul(x, layer_weight(layer), self.qtype, self.cols, bias)
+        return gguf_matmul(x, layer_weight(layer), self.qtype, self.cols, bias, self.activations)
 
 
 class GGUFEmbeddingMethod(QuantizeMethodBase):
