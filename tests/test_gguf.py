@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
-from safetensors.torch import load_file
 
+from chapters.grade_checks.tiny_gguf import write_gguf
 from nanoengine import LLM, SamplingParams
 from nanoengine._custom_ops import cpu_ops_available, load_cpu_ops
 from nanoengine.model_executor.layers.quantization import gguf as gguf_method
@@ -75,55 +75,6 @@ def test_the_gemv_activations_are_named_or_refused(monkeypatch: pytest.MonkeyPat
 
 
 # ------------------------------------------------------------------ a tiny GGUF Llama
-def _llamacpp_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's converter's q/k row order: within a head, row j * d/2 + i goes to row 2i + j."""
-    half = weight.shape[0] // heads // 2
-    return weight.reshape(heads, 2, half, -1).transpose(1, 2).reshape(weight.shape)
-
-
-def write_tiny_gguf(model_dir: str, target: Path, qtype: GGMLType) -> Path:
-    """The tiny Llama's weights as ``target`` (a GGUF llama.cpp could read), matrices in ``qtype``."""
-    import json
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    writer = GGUFWriter(str(target), "llama")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_vocab_size(config["vocab_size"])
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
-    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    for name, tensor in load_file(str(Path(model_dir) / "model.safetensors")).items():
-        stem = name.removesuffix(".weight")
-        if stem.startswith("model.layers."):
-            layer, part = stem.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{names[part]}.weight"
-        else:
-            gguf_name = f"{names[stem]}.weight"
-        if ".attn_q." in gguf_name or ".attn_k." in gguf_name:
-            tensor = _llamacpp_rows(tensor, heads if ".attn_q." in gguf_name else kv_heads)
-        data = tensor.float().numpy()
-        if data.ndim == 1:  # norms stay float32, as llama.cpp keeps them
-            writer.add_tensor(gguf_name, data)
-        else:
-            kind = GGMLQuantizationType(int(qtype))
-            writer.add_tensor(gguf_name, quants.quantize(data, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return target
-
-
 @pytest.fixture(scope="module")
 def gguf_dir(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with the tiny Llama's config and tokenizer, and one GGUF per kept format."""
@@ -132,7 +83,7 @@ def gguf_dir(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
         if item.suffix != ".safetensors":
             shutil.copy(item, folder / item.name)
     for qtype in KEPT:
-        write_tiny_gguf(tiny_llama, folder / f"tiny.{qtype.name}.gguf", qtype)
+        write_gguf(tiny_llama, folder / f"tiny.{qtype.name}.gguf", qtype)
     return folder
 
 

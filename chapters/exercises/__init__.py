@@ -31,6 +31,7 @@ EXERCISES_DIR = Path(__file__).resolve().parent
 # Each exercise and the function (or method) it asks for: "module:qualified name".
 EXERCISE_TARGETS: dict[str, str] = {
     "1.1": "chapters.ex01_engine_by_hand:run_to_completion",
+    "2.1": "nanoengine.model_executor.layers.quantization.gguf_blocks:dequantize",
     "3.1": "nanoengine.core.sched.step_plan:StepPlan.add",
     "3.2": "nanoengine.core.sched.utils:select_preemption_victim",
     "4.1": "nanoengine.core.kv_cache_manager:KVCacheManager.allocate_slots",

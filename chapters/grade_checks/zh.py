@@ -69,6 +69,31 @@ CHINESE: dict[str, dict[str, tuple[str, str]]] = {
             ),
         ),
     },
+    "2.1": {
+        "Q8_0: each number is d times its byte, read as a signed integer": (
+            "Q8_0：每个数是 d 乘以它的字节，字节按有符号整数读",
+            (
+                "一个缩放为 0.5 的 Q8_0 block，32 个有符号字节是 -128 到 -8（步长 8），然后 -1、0、1，"
+                "然后 7 到 117（步长 10），最后 127；以及一个缩放为 -0.25、装着 -3 到 28 的 block。"
+            ),
+        ),
+        "Q4_0: low nibbles are numbers 0-15, high nibbles 16-31, each d * (q - 8)": (
+            "Q4_0：低 4 位是第 0-15 个数，高 4 位是第 16-31 个数，每个是 d * (q - 8)",
+            "两个 Q4_0 block（缩放 0.25 和 3.0），第 0..15 个数是 0..15（低 4 位），第 16..31 个数是 15..0（高 4 位）。",
+        ),
+        "Q4_1: d * q + m, the scale first and the minimum after it": (
+            "Q4_1：d * q + m，缩放在前，最小值在后",
+            "两个 Q4_1 block，先是缩放 0.5、最小值 -1.25，再是缩放 2.0、最小值 7.5，数和 Q4_0 的一样。",
+        ),
+        "whole matrices: [rows, row_bytes] uint8 -> [rows, cols] float32, block after block": (
+            "整个矩阵：[rows, row_bytes] 的 uint8 -> [rows, cols] 的 float32，一个 block 接一个 block",
+            "一个 [3, 96] 的矩阵，权重是固定种子的正态随机数，由 `gguf` 包量化成每种格式（3 行，每行 3 个 block）：返回的形状、dtype 和数。",
+        ),
+        "end to end: the tiny Llama from a Q4_1 GGUF, on the torch reference path": (
+            "端到端：从 Q4_1 GGUF 加载的小 Llama，走 torch 参考路径",
+            "评分器的小 Llama 写成 Q4_1 GGUF，加载时保留 block，在 torch 参考路径上运行，KV cache 64 个 block：四个 7 个 token 的 prompt，各贪心生成 8 个 token。",
+        ),
+    },
     "3.1": {
         'records each count under the request id': (
             "每个数都记在请求 id 名下",
