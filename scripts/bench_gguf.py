@@ -28,7 +28,6 @@ vLLM 0.32 counterpart: none (vLLM's benchmarks do not compare llama.cpp).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import re
@@ -36,7 +35,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -145,17 +143,6 @@ def agreement(name: str, fast: list[list[int]], reference: list[list[int]], gaps
             f"{max(gaps, default=0.0):.3f} nats below its own there (median {statistics.median(gaps or [0.0]):.3f})")
 
 
-@contextlib.contextmanager
-def on_the_reference() -> Iterator[None]:
-    """The engine's GGUF layers on the torch reference path (blocks dequantized, float products)."""
-    kernels = gguf_method.cpu_ops_available
-    gguf_method.cpu_ops_available = lambda: False  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        gguf_method.cpu_ops_available = kernels  # type: ignore[assignment]
-
-
 def cap_torchs_libraries() -> None:
     """Under ``NANOENGINE_CPU_ISA``, run this script again with ATen, oneDNN and MKL capped as well:
     each reads its cap once, when it starts, and torch is imported by now."""
@@ -191,7 +178,7 @@ def main() -> None:
         tokens[name] = greedy(blocks, prompts, args.tokens)
         del blocks
         gc.collect()  # one engine at a time: a second one's memory would tax the next figures
-    with on_the_reference():
+    with gguf_method.torch_reference_only():
         blocks = LLM(MODEL, quantization="gguf", **common)
         reference = greedy(blocks, prompts, args.tokens)
         lines = [agreement(name, fast, reference, divergence_gaps(blocks, prompts, fast, reference))

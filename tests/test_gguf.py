@@ -142,12 +142,11 @@ def test_the_engine_on_a_gguf_gives_hugging_faces_tokens(gguf_dir: Path, qtype: 
     gguf = gguf_dir / f"tiny.{qtype.name}.gguf"
     model = hf_model(gguf)
     expected = hf_greedy(model)
-    monkeypatch.setattr(gguf_method, "cpu_ops_available", lambda: False)
-    reference = LLM(str(gguf), dtype="float32", max_model_len=64, attention_backend="torch")
-    runner = reference.llm_engine.engine_core.get_engine_core().model_executor.driver_worker.model_runner
-    assert runner.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.uint8  # the blocks are kept
-    assert engine_greedy(reference) == expected
-    monkeypatch.undo()
+    with gguf_method.torch_reference_only():
+        reference = LLM(str(gguf), dtype="float32", max_model_len=64, attention_backend="torch")
+        runner = reference.llm_engine.engine_core.get_engine_core().model_executor.driver_worker.model_runner
+        assert runner.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.uint8  # the blocks are kept
+        assert engine_greedy(reference) == expected
     if not cpu_ops_available():
         return
     assert engine_greedy(LLM(str(gguf), dtype="float32", max_model_len=64)) == expected

@@ -12,8 +12,6 @@ vLLM 0.32 counterpart: none (teaching material).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -86,21 +84,10 @@ def whole_matrices(model: str) -> dict[str, Any]:
     return result
 
 
-@contextlib.contextmanager
-def on_the_reference_path() -> Iterator[None]:
-    """GGUF layers multiply as the torch reference does (``dequantize``, then a float product)."""
-    kernels = gguf_method.cpu_ops_available
-    gguf_method.cpu_ops_available = lambda: False  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        gguf_method.cpu_ops_available = kernels  # type: ignore[assignment]
-
-
 def e2e_gguf_generation(model: str) -> dict[str, Any]:
     """The grader's tiny Llama written as a Q4_1 GGUF, loaded with its blocks kept and run on the
     torch reference path, 64 KV cache blocks: four 7-token prompts, 8 greedy tokens each."""
-    with on_the_reference_path():
+    with gguf_method.torch_reference_only():
         run = greedy_run(tiny_gguf_file(GGMLType.Q4_1), PROMPTS, max_tokens=8, max_model_len=64,
                          dtype="float32", skip_tokenizer_init=True, num_gpu_blocks_override=64)
     return asdict(run)

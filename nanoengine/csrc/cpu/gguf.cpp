@@ -160,15 +160,12 @@ at::Tensor gguf_dequantize(at::Tensor qweight, int64_t qtype, int64_t cols) {
 
 at::Tensor gguf_linear(at::Tensor x, at::Tensor qweight, int64_t qtype, c10::optional<at::Tensor> bias,
                        int64_t cols) {
-  check_float_contiguous(x, "x");
-  check_blocks(qweight, qtype, cols);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == cols, "x must be [rows, ", cols, "], got ", x.sizes());
-  const int64_t rows = x.size(0), blocks = cols / kBlock;
-  at::Tensor out = at::empty({rows, qweight.size(0)}, x.options());
+  check_gemv(x, qweight, qtype, cols);
+  const int64_t blocks = cols / kBlock;
   const float* xp = x.data_ptr<float>();
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  at::Tensor out;
   with_format(qtype, [&](auto format) {
-    gemv_rows(qweight, rows, b, out, [&](const uint8_t* row, int64_t first, int64_t count, float* dots) {
+    out = gemv_rows(x, qweight, bias, [&](const uint8_t* row, int64_t first, int64_t count, float* dots) {
       with_row_count(count, [&](auto rows_tag) {
         dot_row_float<format(), rows_tag()>(row, blocks, xp + first * cols, cols, dots);
       });

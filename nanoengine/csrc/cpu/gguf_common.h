@@ -60,6 +60,13 @@ inline void check_blocks(const at::Tensor& qweight, int64_t qtype, int64_t cols)
               " bytes; ", cols, " numbers of type ", qtype, " take ", cols / kBlock * block_bytes(qtype));
 }
 
+// What both GEMVs take: x float32 [rows, cols] and the blocks of an [out_features, cols] weight.
+inline void check_gemv(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype, int64_t cols) {
+  check_float_contiguous(x, "x");
+  check_blocks(qweight, qtype, cols);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == cols, "x must be [rows, ", cols, "], got ", x.sizes());
+}
+
 // f(std::integral_constant<int64_t, QTYPE>{}): the format as a compile-time constant.
 template <typename F>
 void with_format(int64_t qtype, F&& f) {
@@ -99,9 +106,12 @@ inline void prefetch_row(const uint8_t* row, int64_t bytes) {
 // (in passes of kMaxRowsPerPass) while it is in cache. dot(row, first, count,
 // dots) writes dots[m] = row . x[first + m] for m < count.
 template <typename Dot>
-void gemv_rows(const at::Tensor& qweight, int64_t rows, const float* bias, at::Tensor& out, Dot dot) {
-  const int64_t out_features = qweight.size(0), bytes_per_row = qweight.size(1);
+at::Tensor gemv_rows(const at::Tensor& x, const at::Tensor& qweight, const c10::optional<at::Tensor>& bias_tensor,
+                     Dot dot) {
+  const int64_t rows = x.size(0), out_features = qweight.size(0), bytes_per_row = qweight.size(1);
+  at::Tensor out = at::empty({rows, out_features}, x.options());
   const uint8_t* w = qweight.data_ptr<uint8_t>();
+  const float* bias = bias_tensor.has_value() ? bias_tensor->data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
   at::parallel_for(0, out_features, 32, [&](int64_t begin, int64_t end) {
     float dots[kMaxRowsPerPass];
@@ -114,6 +124,7 @@ void gemv_rows(const at::Tensor& qweight, int64_t rows, const float* bias, at::T
       }
     }
   });
+  return out;
 }
 
 }  // namespace gguf

@@ -174,9 +174,7 @@ void dot_row(const uint8_t* w, int64_t blocks, const Q8Row* x, float* out) {
 
 at::Tensor gguf_linear_q8(at::Tensor x, at::Tensor qweight, int64_t qtype, c10::optional<at::Tensor> bias,
                           int64_t cols) {
-  check_float_contiguous(x, "x");
-  check_blocks(qweight, qtype, cols);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == cols, "x must be [rows, ", cols, "], got ", x.sizes());
+  check_gemv(x, qweight, qtype, cols);
   const int64_t rows = x.size(0), blocks = cols / kBlock;
 
   // Every activation row in Q8, once (x [rows, cols] -> q [rows, cols], d and s [rows, blocks]).
@@ -191,10 +189,9 @@ at::Tensor gguf_linear_q8(at::Tensor x, at::Tensor qweight, int64_t qtype, c10::
   std::vector<Q8Row> x8(rows);
   for (int64_t m = 0; m < rows; ++m) x8[m] = {&q[m * cols], &d[m * blocks], &s[m * blocks]};
 
-  at::Tensor out = at::empty({rows, qweight.size(0)}, x.options());
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  at::Tensor out;
   with_format(qtype, [&](auto format) {
-    gemv_rows(qweight, rows, b, out, [&](const uint8_t* row, int64_t first, int64_t count, float* dots) {
+    out = gemv_rows(x, qweight, bias, [&](const uint8_t* row, int64_t first, int64_t count, float* dots) {
       with_row_count(count, [&](auto rows_tag) { dot_row<format(), rows_tag()>(row, blocks, &x8[first], dots); });
     });
   });

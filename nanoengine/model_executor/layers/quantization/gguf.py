@@ -37,7 +37,9 @@ dequantize`` and ``F.linear``, exact to float32 rounding.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +56,28 @@ ACTIVATIONS_ENV = "NANOENGINE_GGUF_ACTIVATIONS"
 GEMV_ACTIVATIONS = ("float32", "q8")
 
 
+# False inside torch_reference_only(): every GGUF layer then takes the torch reference path.
+_kernels_allowed = True
+
+
+@contextlib.contextmanager
+def torch_reference_only() -> Iterator[None]:
+    """Inside, GGUF layers multiply as the torch reference does (``dequantize``, then ``F.linear``),
+    built kernels or not: the path every kernel is tested against. Chapter 2's benchmark compares
+    the kernels' tokens with it, and exercise 2.1's end-to-end check runs on it."""
+    global _kernels_allowed
+    _kernels_allowed = False
+    try:
+        yield
+    finally:
+        _kernels_allowed = True
+
+
+def use_kernels(qweight: torch.Tensor) -> bool:
+    """Whether a GGUF weight on this device is multiplied by the C++ kernels."""
+    return _kernels_allowed and qweight.device.type == "cpu" and cpu_ops_available()
+
+
 def gemv_activations() -> str:
     """The GEMV's activations this process asks for, checked."""
     value = os.environ.get(ACTIVATIONS_ENV, "float32")
@@ -64,7 +88,7 @@ def gemv_activations() -> str:
 
 def gguf_dequantize(qweight: torch.Tensor, qtype: GGMLType, cols: int) -> torch.Tensor:
     """uint8 blocks [rows, row_bytes] -> float32 [rows, cols]: the C++ kernel, else the torch reference."""
-    if qweight.device.type == "cpu" and cpu_ops_available():
+    if use_kernels(qweight):
         out: torch.Tensor = load_cpu_ops().gguf_dequantize(qweight, int(qtype), cols)
         return out
     return dequantize(qweight, qtype)
@@ -77,7 +101,7 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLType, cols: i
     ``activations`` ("float32" or "q8") picks the GEMV of a decode-sized step.
     """
     rows = x.reshape(-1, cols)  # [num_tokens, cols]
-    if rows.shape[0] <= GEMV_MAX_ROWS and qweight.device.type == "cpu" and cpu_ops_available():
+    if rows.shape[0] <= GEMV_MAX_ROWS and use_kernels(qweight):
         float_bias = None if bias is None else bias.float()
         ops = load_cpu_ops()
         gemv = ops.gguf_linear if activations == "float32" else ops.gguf_linear_q8
