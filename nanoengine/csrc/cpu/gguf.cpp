@@ -132,28 +132,23 @@ void dot_row_float(const uint8_t* w, int64_t blocks, const float* x, int64_t col
 
 at::Tensor gguf_dequantize(at::Tensor qweight, int64_t qtype, int64_t cols) {
   check_blocks(qweight, qtype, cols);
-  const int64_t rows = qweight.size(0), blocks = cols / kBlock, bytes = block_bytes(qtype);
+  const int64_t rows = qweight.size(0), blocks = cols / kBlock, bytes_per_row = qweight.size(1);
   at::Tensor out = at::empty({rows, cols}, qweight.options().dtype(at::kFloat));
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* block = w + (r * blocks + b) * bytes;
-        float* dst = o + r * cols + b * kBlock;
-        const float d = half_to_float(block);
-        if (qtype == kQ8_0) {
-          for (int j = 0; j < kBlock; ++j) dst[j] = d * static_cast<int8_t>(block[2 + j]);
-          continue;
-        }
-        const uint8_t* qs = block + (qtype == kQ4_1 ? 4 : 2);
-        const float shift = qtype == kQ4_1 ? half_to_float(block + 2) : -8.f * d;
-        for (int j = 0; j < 16; ++j) {
-          dst[j] = d * (qs[j] & 0x0F) + shift;
-          dst[j + 16] = d * (qs[j] >> 4) + shift;
+  // Exactly the reference's numbers (the tests compare with torch.equal): d,
+  // 11 significant bits, times an integer of at most 8 bits is exact in
+  // float32, so a fused multiply-add rounds where the reference rounds.
+  with_format(qtype, [&](auto format) {
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      FloatVec numbers[kVecsPerBlock];
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          dequantize_block<format()>(w + r * bytes_per_row + b * kBlockBytes<format()>, numbers);
+          std::memcpy(o + r * cols + b * kBlock, numbers, sizeof(numbers));
         }
       }
-    }
+    });
   });
   return out;
 }
