@@ -8,6 +8,7 @@ engine calls before it starts any process.
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any, cast
 
@@ -16,6 +17,7 @@ import torch
 from transformers import LlamaConfig
 
 from chapters.grade_checks.tiny_model import tiny_config
+from chapters.grade_checks import tp_ranks
 from chapters.grade_checks.tp_ranks import run_on_ranks
 from nanoengine.distributed import parallel_state
 from nanoengine.distributed.communication_op import (
@@ -174,3 +176,19 @@ def test_a_rank_shares_only_its_own_machine_between_the_ranks_there(
     assert all_here.local_world_size == 4
     assert two_here._cpu_budget() == int(min(per_machine, config.cache_config.cpu_kv_cache_max_bytes)) // 2
     assert all_here._cpu_budget() == two_here._cpu_budget() // 2
+
+
+def rank_and_world() -> tuple[int, int]:
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def test_a_rendezvous_port_taken_in_the_meantime_is_drawn_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first port drawn is held by another listener by the time rank 0 binds it: the run
+    starts again on the next draw instead of failing (one rank, so each try costs one start)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        draws = iter([taken.getsockname()[1], tp_ranks.free_port()])
+        monkeypatch.setattr(tp_ranks, "free_port", lambda: next(draws))
+        assert run_on_ranks(rank_and_world, world_size=1) == [(0, 1)]
+    assert next(draws, None) is None, "both ports were drawn"

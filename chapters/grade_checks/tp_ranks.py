@@ -70,6 +70,10 @@ def to_torch(obj: Any) -> Any:
     return obj
 
 
+# Rendezvous ports drawn before a run gives up on a port another process took first.
+PORT_DRAWS = 3
+
+
 def _rank_main(
     fn: Callable[..., Any], rank: int, world_size: int, init_method: str, args: tuple[Any, ...], results: Any
 ) -> None:
@@ -93,10 +97,23 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeou
 
     ``fn`` must be a module-level function (spawn sends it by name); ``args``
     may hold tensors. RuntimeError, naming the rank, on a failed, dead or hung rank.
+    The rendezvous port is free when it is drawn, but the ranks bind it seconds
+    later, once torch is imported; if another process took it in between, the
+    run starts again on a new port (at most ``PORT_DRAWS`` times).
     """
+    for _ in range(PORT_DRAWS - 1):
+        try:
+            return _run_on_ranks_once(fn, args, world_size, timeout, f"tcp://127.0.0.1:{free_port()}")
+        except RuntimeError as error:
+            if "EADDRINUSE" not in str(error):
+                raise
+    return _run_on_ranks_once(fn, args, world_size, timeout, f"tcp://127.0.0.1:{free_port()}")
+
+
+def _run_on_ranks_once(fn: Callable[..., Any], args: tuple[Any, ...], world_size: int, timeout: float,
+                       init_method: str) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [
         ctx.Process(
             target=_rank_main,
