@@ -26,7 +26,7 @@
 // to 8 bits costs accuracy llama.cpp also pays: with it, SmolLM2's greedy
 // tokens left the float reference's in 33 of 50 prompts within 32 tokens
 // (always at a near tie), which is why float activations are the default.
-// It is the faster GEMV at batch 1 (see gguf.cpp for the figures).
+// It is the faster GEMV at batch 1 with AVX-512 (see gguf.cpp for the figures).
 #include "gguf_common.h"
 
 #include <cmath>

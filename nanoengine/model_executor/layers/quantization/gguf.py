@@ -25,8 +25,8 @@ rows (tokens) in the step:
   float32 (``gguf_linear``): the products are the reference's, in another
   order, and so are the greedy tokens. ``NANOENGINE_GGUF_ACTIVATIONS=q8``
   rounds them to 8 bits per block first, as llama.cpp does
-  (``gguf_linear_q8``): faster at batch 1, but it flips near-tie tokens
-  (figures in gguf.cpp);
+  (``gguf_linear_q8``): faster at batch 1 with AVX-512 (slower with AVX2,
+  and at batch 8), and it flips near-tie tokens (chapter 2 has the figures);
 * more rows (prefill): the weight dequantized to float32 for this call and an
   ordinary matmul; prefill is compute-bound, and a float product is the
   fastest there is.
