@@ -177,7 +177,7 @@ def main() -> None:
         prompts = english_prompts(blocks, args.prompts)
         tokens[name] = greedy(blocks, prompts, args.tokens)
         del blocks
-        gc.collect()  # one engine at a time: a second one's memory would tax the next figures
+        gc.collect()  # one engine at a time: a second forward thread halves batch 1 (chapter 7, OpenMP pools)
     with gguf_method.torch_reference_only():
         blocks = LLM(MODEL, quantization="gguf", **common)
         reference = greedy(blocks, prompts, args.tokens)
