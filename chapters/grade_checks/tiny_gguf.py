@@ -25,12 +25,10 @@ from safetensors.torch import load_file
 
 from chapters.grade_checks.tiny_model import tiny_llama_model_dir
 from nanoengine.model_executor.layers.quantization.gguf_blocks import GGMLType
+from nanoengine.model_executor.model_loader.gguf_loader import PER_LAYER_NAMES, TOP_LEVEL_NAMES
 
-# Hugging Face's module names -> llama.cpp's tensor names.
-GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "input_layernorm": "attn_norm",
-              "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
-              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+# Hugging Face's module names -> llama.cpp's tensor names: the loader's table, turned round.
+GGUF_NAMES = {hf: gguf for gguf, hf in (TOP_LEVEL_NAMES | PER_LAYER_NAMES).items()}
 
 
 def llamacpp_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

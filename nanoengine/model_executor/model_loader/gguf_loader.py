@@ -44,8 +44,9 @@ from nanoengine.model_executor.layers.quantization.gguf_blocks import FORMATS, G
 ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 # Float types a GGUF tensor may have (loaded as torch tensors of the model's dtype).
 FLOAT_TYPES = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
-_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_PER_LAYER = {
+# llama.cpp's tensor names -> Hugging Face's module names, outside and inside a layer.
+TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+PER_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
@@ -58,9 +59,9 @@ def hf_name(gguf_name: str) -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None if unknown."""
     if (match := _LAYER_TENSOR.fullmatch(gguf_name)) is not None:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_PER_LAYER[part]}.{kind}" if part in _PER_LAYER else None
+        return f"model.layers.{layer}.{PER_LAYER_NAMES[part]}.{kind}" if part in PER_LAYER_NAMES else None
     stem, _, kind = gguf_name.rpartition(".")
-    return f"{_TOP_LEVEL[stem]}.{kind}" if stem in _TOP_LEVEL else None
+    return f"{TOP_LEVEL_NAMES[stem]}.{kind}" if stem in TOP_LEVEL_NAMES else None
 
 
 def unpermute_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
