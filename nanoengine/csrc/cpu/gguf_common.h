@@ -19,9 +19,9 @@
 
 namespace gguf {
 
-constexpr int kBlock = 32;  // numbers per block, in every format kept here
+constexpr int kBlock = 32;  // numbers per block (a K-quant's super-block holds 8 of them)
 // ggml's type ids (GGMLType in gguf_blocks.py).
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
 // Activation rows one pass over the weight serves; more rows go in several passes.
 constexpr int64_t kMaxRowsPerPass = 8;
 // The weight row this many rows on is asked for while this one is multiplied:
@@ -29,17 +29,46 @@ constexpr int64_t kMaxRowsPerPass = 8;
 // waiting on every row; with this, 16 GB/s (a decode step's matmuls 8.7 -> 4 ms).
 constexpr int64_t kPrefetchRows = 8;
 
-// Bytes of one block: an fp16 scale d, for Q4_1 an fp16 minimum m, then the integers.
+// Bytes of one block as stored (for a K-quant, one super-block of 256 numbers):
+// Q8_0 d + 32 bytes; Q4_0 d + 16; Q4_1 d, m + 16; Q5_0 d, 4 bytes of fifth
+// bits + 16; Q4_K d, dmin, 12 bytes of scales + 128; Q6_K 128 + 64 + 16 scales + d.
 template <int64_t QTYPE>
-constexpr int64_t kBlockBytes = QTYPE == kQ8_0 ? 2 + 32 : QTYPE == kQ4_0 ? 2 + 16 : 2 + 2 + 16;
+constexpr int64_t kBlockBytes = QTYPE == kQ8_0 ? 2 + 32
+                                : QTYPE == kQ4_0 ? 2 + 16
+                                : QTYPE == kQ4_1 ? 2 + 2 + 16
+                                : QTYPE == kQ5_0 ? 2 + 4 + 16
+                                : QTYPE == kQ4_K ? 2 + 2 + 12 + 128
+                                                 : 128 + 64 + 16 + 2;
+// Blocks of 32 numbers in one stored block: 8 in a K-quant's super-block, else 1.
+template <int64_t QTYPE>
+constexpr int64_t kPiecesPerBlock = QTYPE == kQ4_K || QTYPE == kQ6_K ? 8 : 1;
 
-inline int64_t block_bytes(int64_t qtype) {
+constexpr const char* kKeptTypes = "Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14";
+
+// f(std::integral_constant<int64_t, QTYPE>{}): the format as a compile-time constant.
+template <typename F>
+void with_format(int64_t qtype, F&& f) {
   switch (qtype) {
-    case kQ8_0: return kBlockBytes<kQ8_0>;
-    case kQ4_0: return kBlockBytes<kQ4_0>;
-    case kQ4_1: return kBlockBytes<kQ4_1>;
+    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
   }
-  TORCH_CHECK(false, "GGML type ", qtype, " is not a block format kept here (Q8_0 = 8, Q4_0 = 2, Q4_1 = 3)");
+  TORCH_CHECK(false, "GGML type ", qtype, " is not a block format kept here (", kKeptTypes, ")");
+}
+
+// Bytes of one row of cols numbers, cols a whole number of stored blocks (checked).
+inline int64_t row_bytes(int64_t qtype, int64_t cols) {
+  int64_t bytes = 0;
+  with_format(qtype, [&](auto format) {
+    constexpr int64_t numbers = kBlock * kPiecesPerBlock<format()>;
+    TORCH_CHECK(cols % numbers == 0, "a row of GGML type ", qtype, " holds whole blocks of ", numbers,
+                " numbers; cols = ", cols, " is not a multiple");
+    bytes = cols / numbers * kBlockBytes<format()>;
+  });
+  return bytes;
 }
 
 inline float half_to_float(const uint8_t* p) {
@@ -55,9 +84,8 @@ inline float half_to_float(const uint8_t* p) {
 inline void check_blocks(const at::Tensor& qweight, int64_t qtype, int64_t cols) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
               "qweight must be a contiguous uint8 [rows, row_bytes] tensor");
-  TORCH_CHECK(cols % kBlock == 0, "cols must be a multiple of ", kBlock, ", got ", cols);
-  TORCH_CHECK(qweight.size(1) == cols / kBlock * block_bytes(qtype), "qweight rows hold ", qweight.size(1),
-              " bytes; ", cols, " numbers of type ", qtype, " take ", cols / kBlock * block_bytes(qtype));
+  TORCH_CHECK(qweight.size(1) == row_bytes(qtype, cols), "qweight rows hold ", qweight.size(1), " bytes; ", cols,
+              " numbers of type ", qtype, " take ", row_bytes(qtype, cols));
 }
 
 // What both GEMVs take: x float32 [rows, cols] and the blocks of an [out_features, cols] weight.
@@ -65,16 +93,6 @@ inline void check_gemv(const at::Tensor& x, const at::Tensor& qweight, int64_t q
   check_float_contiguous(x, "x");
   check_blocks(qweight, qtype, cols);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == cols, "x must be [rows, ", cols, "], got ", x.sizes());
-}
-
-// f(std::integral_constant<int64_t, QTYPE>{}): the format as a compile-time constant.
-template <typename F>
-void with_format(int64_t qtype, F&& f) {
-  switch (qtype) {
-    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
-    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
-    default: return f(std::integral_constant<int64_t, kQ4_1>{});
-  }
 }
 
 // f(std::integral_constant<int, ROWS>{}) for a row count of 1 to kMaxRowsPerPass.

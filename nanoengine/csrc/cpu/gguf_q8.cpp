@@ -175,6 +175,8 @@ void dot_row(const uint8_t* w, int64_t blocks, const Q8Row* x, float* out) {
 at::Tensor gguf_linear_q8(at::Tensor x, at::Tensor qweight, int64_t qtype, c10::optional<at::Tensor> bias,
                           int64_t cols) {
   check_gemv(x, qweight, qtype, cols);
+  TORCH_CHECK(qtype == kQ8_0 || qtype == kQ4_0 || qtype == kQ4_1, "the 8-bit-activation GEMV takes Q8_0 (8), "
+              "Q4_0 (2) and Q4_1 (3); GGML type ", qtype, " goes through gguf_linear");
   const int64_t rows = x.size(0), blocks = cols / kBlock;
 
   // Every activation row in Q8, once (x [rows, cols] -> q [rows, cols], d and s [rows, blocks]).
@@ -191,9 +193,11 @@ at::Tensor gguf_linear_q8(at::Tensor x, at::Tensor qweight, int64_t qtype, c10::
 
   at::Tensor out;
   with_format(qtype, [&](auto format) {
-    out = gemv_rows(x, qweight, bias, [&](const uint8_t* row, int64_t first, int64_t count, float* dots) {
-      with_row_count(count, [&](auto rows_tag) { dot_row<format(), rows_tag()>(row, blocks, &x8[first], dots); });
-    });
+    if constexpr (format() == kQ8_0 || format() == kQ4_0 || format() == kQ4_1) {  // checked above
+      out = gemv_rows(x, qweight, bias, [&](const uint8_t* row, int64_t first, int64_t count, float* dots) {
+        with_row_count(count, [&](auto rows_tag) { dot_row<format(), rows_tag()>(row, blocks, &x8[first], dots); });
+      });
+    }
   });
   return out;
 }

@@ -112,8 +112,9 @@ def get_model(
     elif checkpoint is not None:
         # vLLM hands the quantization config to every layer's constructor; here each
         # layer gets its method (and its uint8 blocks) between construction and loading.
-        gguf_config(checkpoint, model, bool(getattr(hf_config, "tie_word_embeddings", False))).quantize_layers(model)
-        model.load_weights(checkpoint.weights())
+        quant_config = gguf_config(checkpoint, model, bool(getattr(hf_config, "tie_word_embeddings", False)))
+        quant_config.quantize_layers(model)
+        model.load_weights(checkpoint.weights(quant_config.to_q8))
     else:
         model.load_weights(safetensors_weights_iterator(model_path))
     model.eval()

@@ -115,12 +115,16 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLType, cols: i
 class GGUFConfig(QuantizationConfig):
     """The GGML type of each checkpoint weight, by its Hugging Face name."""
 
-    def __init__(self, weight_types: dict[str, GGMLType], checkpoint_names: dict[str, list[str]]) -> None:
+    def __init__(self, weight_types: dict[str, GGMLType], checkpoint_names: dict[str, list[str]],
+                 to_q8: frozenset[str] = frozenset()) -> None:
         # weight_types: e.g. "model.layers.0.self_attn.q_proj.weight" -> GGMLType.Q4_1.
         # checkpoint_names: a model parameter -> the checkpoint weights that fill it
         # ("...qkv_proj.weight" -> the q, k and v weights).
+        # to_q8: the checkpoint weights converted to Q8_0 at load (weight_types already
+        # says Q8_0 for them): the parts of a fused parameter whose file types differ.
         self.weight_types = weight_types
         self.checkpoint_names = checkpoint_names
+        self.to_q8 = to_q8
 
     def get_name(self) -> str:
         return "gguf"
