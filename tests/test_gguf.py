@@ -21,48 +21,87 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-from chapters.grade_checks.tiny_gguf import write_gguf
+from chapters.grade_checks.tiny_gguf import random_blocks, write_gguf, write_tiny_gemma3_gguf
 from nanoengine import LLM, SamplingParams
 from nanoengine._custom_ops import cpu_ops_available, load_cpu_ops
 from nanoengine.model_executor.layers.quantization import gguf as gguf_method
-from nanoengine.model_executor.layers.quantization.gguf_blocks import GGMLType, dequantize, row_bytes
+from nanoengine.model_executor.layers.quantization.gguf_blocks import (
+    FORMATS,
+    GGMLType,
+    dequantize,
+    row_bytes,
+    to_q8_0,
+)
 from nanoengine.renderers.hf import TokensPrompt
 
+# The formats the gguf package quantizes (one tiny Llama GGUF each); it reads all of FORMATS.
 KEPT = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1]
+K_QUANTS = [GGMLType.Q4_K, GGMLType.Q6_K]
 needs_kernels = pytest.mark.skipif(not cpu_ops_available(), reason="the C++ kernels did not build here")
 
 
-@pytest.mark.parametrize("qtype", KEPT, ids=lambda t: t.name)
+def some_blocks(qtype: GGMLType, rows: int) -> tuple[torch.Tensor, int]:
+    """(uint8 blocks [rows, row_bytes], cols): quantized by the gguf package where it can, else random.
+    Columns: 6 blocks of 32, or 3 super-blocks of 256 for a K-quant."""
+    cols = 768 if qtype in K_QUANTS else 192
+    if qtype in K_QUANTS:
+        return torch.from_numpy(random_blocks(qtype, rows, cols, 1e-3, np.random.default_rng(0))), cols
+    x = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32) * 0.05
+    return torch.from_numpy(quants.quantize(x, GGMLQuantizationType(int(qtype)))), cols
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
 def test_the_reference_dequantizer_reads_blocks_as_ggml_does(qtype: GGMLType) -> None:
-    x = np.random.default_rng(0).standard_normal((5, 96)).astype(np.float32)
-    blocks = quants.quantize(x, GGMLQuantizationType(int(qtype)))  # gguf's numpy port of ggml
-    assert blocks.shape == (5, row_bytes(qtype, 96))
-    expected = quants.dequantize(blocks, GGMLQuantizationType(int(qtype)))
-    assert torch.equal(dequantize(torch.from_numpy(blocks), qtype), torch.from_numpy(expected))
+    blocks, cols = some_blocks(qtype, 5)
+    assert blocks.shape == (5, row_bytes(qtype, cols))
+    expected = quants.dequantize(blocks.numpy(), GGMLQuantizationType(int(qtype)))  # gguf's numpy port of ggml
+    assert torch.equal(dequantize(blocks, qtype), torch.from_numpy(expected))
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", KEPT, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
 def test_gguf_kernel_dequantize_and_linear_against_the_reference(qtype: GGMLType) -> None:
     """The C++ dequantizer exactly; the float GEMV to float32 rounding of the float product of the
-    same weight, the Q8 GEMV within 1% of it (its activations are rounded to 8 bits per block),
-    for 1 to 17 rows and a bias."""
+    same weight, the Q8 GEMV (Q8_0, Q4_0, Q4_1) within 1% of it (its activations are rounded to 8
+    bits per block), for 1 to 17 rows and a bias."""
     ops = load_cpu_ops()
-    weight = torch.randn(200, 192) * 0.05
-    blocks = torch.from_numpy(quants.quantize(weight.numpy(), GGMLQuantizationType(int(qtype))))
-    reference = dequantize(blocks, qtype)  # [200, 192]
-    assert torch.equal(ops.gguf_dequantize(blocks, int(qtype), 192), reference)
+    blocks, cols = some_blocks(qtype, 200)
+    reference = dequantize(blocks, qtype)  # [200, cols]
+    assert torch.equal(ops.gguf_dequantize(blocks, int(qtype), cols), reference)
     bias = torch.randn(200)
     for rows in (1, 3, 8, 9, 17):  # one pass, several passes of 8 rows
-        x = torch.randn(rows, 192)
+        x = torch.randn(rows, cols)
         expected = torch.nn.functional.linear(x, reference, bias)
-        torch.testing.assert_close(ops.gguf_linear(x, blocks, int(qtype), bias, 192), expected,
-                                   rtol=1e-5, atol=1e-5)
-        got = ops.gguf_linear_q8(x, blocks, int(qtype), bias, 192)
-        assert ((got - expected).norm() / expected.norm()).item() < 0.01, rows
+        torch.testing.assert_close(ops.gguf_linear(x, blocks, int(qtype), bias, cols), expected,
+                                   rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+        if qtype in gguf_method.Q8_GEMV_FORMATS:
+            got = ops.gguf_linear_q8(x, blocks, int(qtype), bias, cols)
+            assert ((got - expected).norm() / expected.norm()).item() < 0.01, rows
+    if qtype not in gguf_method.Q8_GEMV_FORMATS:
+        with pytest.raises(RuntimeError, match="the 8-bit-activation GEMV takes Q8_0"):
+            ops.gguf_linear_q8(torch.randn(1, cols), blocks, int(qtype), None, cols)
+    fewer = cols - FORMATS[qtype].numbers  # one block fewer than the rows hold
     for gemv in (ops.gguf_linear, ops.gguf_linear_q8):
         with pytest.raises(RuntimeError, match="qweight rows hold"):
-            gemv(torch.randn(1, 160), blocks, int(qtype), None, 160)
+            gemv(torch.randn(1, fewer), blocks, int(qtype), None, fewer)
+    with pytest.raises(RuntimeError, match=f"holds whole blocks of {FORMATS[qtype].numbers} numbers; cols = "):
+        ops.gguf_linear(torch.randn(1, cols + 16), blocks, int(qtype), None, cols + 16)
+    with pytest.raises(RuntimeError, match="GGML type 7 is not a block format kept here"):
+        ops.gguf_dequantize(blocks, 7, cols)  # Q5_1
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
+def test_fused_parts_of_other_formats_become_q8_0(qtype: GGMLType) -> None:
+    """Exactly from Q4_0 and Q5_0 (and Q8_0 itself); from the others within ~half a Q8_0 step
+    (max|x| / 127 of its block of 32, its float16 scale rounding a little more)."""
+    blocks, _ = some_blocks(qtype, 16)
+    before = dequantize(blocks, qtype)  # [16, cols]
+    after = dequantize(to_q8_0(blocks, qtype), GGMLType.Q8_0)
+    if qtype in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q5_0):
+        assert torch.equal(after, before)
+    else:
+        step = before.reshape(16, -1, 32).abs().amax(dim=-1, keepdim=True) / 127  # [16, blocks, 1]
+        assert ((after - before).reshape(16, -1, 32).abs() / step).max().item() < 0.55
 
 
 def test_the_gemv_activations_are_named_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,6 +193,29 @@ def test_the_engine_on_a_gguf_gives_hugging_faces_tokens(gguf_dir: Path, qtype: 
         monkeypatch.setenv(gguf_method.ACTIVATIONS_ENV, "q8")
         q8 = LLM(str(gguf), dtype="float32", max_model_len=64)
         assert divergences_are_near_ties(model, engine_greedy(q8), expected, tolerance=0.02) == []
+
+
+def test_a_gemma3_gguf_in_a_q4_k_m_mix_gives_hugging_faces_tokens(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Gemma 3 in a Q4_K_M file's mix of formats (Q5_0, Q8_0, Q4_K, Q6_K; its q, k and v
+    fused, so kept in Q8_0), no config.json beside it: the engine reads the config from the
+    metadata, takes the norms' 1 off, and gives transformers' greedy tokens on the torch
+    reference path and on the C++ path, with prompts longer than the local layers' window."""
+    monkeypatch.setenv("NANOENGINE_CACHE", str(tmp_path / "cache"))
+    gguf = write_tiny_gemma3_gguf(tmp_path / "tiny-gemma3.gguf", sliding_window=8)
+    model = hf_model(gguf)
+    expected = hf_greedy(model)
+    assert len({tuple(tokens) for tokens in expected}) > 1  # not one token everywhere
+    llms = [LLM(str(gguf), dtype="float32", max_model_len=64, skip_tokenizer_init=True)]
+    runner = llms[0].llm_engine.engine_core.get_engine_core().model_executor.driver_worker.model_runner
+    attention = runner.model.model.layers[0].self_attn
+    assert (attention.attn.sliding_window, runner.model.model.layers[5].self_attn.attn.sliding_window) == (8, None)
+    assert attention.qkv_proj.weight.shape == (512, row_bytes(GGMLType.Q8_0, 256))  # q, k from Q5_0 to Q8_0
+    assert attention.o_proj.quant_method.qtype == GGMLType.Q4_K
+    with gguf_method.torch_reference_only():
+        assert engine_greedy(llms[0]) == expected
+    if cpu_ops_available():
+        assert engine_greedy(llms[0]) == expected
 
 
 def test_quantization_gguf_on_a_folder_reads_its_one_gguf(gguf_dir: Path, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""A tiny random Llama written as a GGUF file, the way llama.cpp's converter writes one.
+"""A tiny random Llama written as a GGUF file, the way llama.cpp's converter writes one; a tiny Gemma 3 too.
 
 Exercise 2.1 (chapter 2) runs the engine on it end to end, and
 ``tests/test_gguf.py`` writes one file per block format with ``write_gguf``:
@@ -6,6 +6,11 @@ the q and k rows reordered for llama.cpp's RoPE (the loader must undo it), the
 norms kept in float32, a tied head with no tensor of its own, every matrix in
 the one block format asked for (quantized by the ``gguf`` package's numpy port
 of ggml).
+
+``write_tiny_gemma3_gguf`` writes a tiny Gemma 3 as a ``Q4_K_M`` file mixes
+its formats (q and k in Q5_0, v in Q8_0, the MLP in Q4_K and Q6_K): the
+``gguf`` package quantizes no K-quant, so its matrices are random blocks
+(``random_blocks``), which is all a test of reading them needs.
 
 vLLM 0.32 counterpart: none (teaching material).
 """
@@ -19,16 +24,32 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 from safetensors.torch import load_file
 
 from chapters.grade_checks.tiny_model import tiny_llama_model_dir
-from nanoengine.model_executor.layers.quantization.gguf_blocks import GGMLType
+from nanoengine.model_executor.layers.quantization.gguf_blocks import FORMATS, GGMLType
 from nanoengine.model_executor.model_loader.gguf_loader import PER_LAYER_NAMES, TOP_LEVEL_NAMES
 
 # Hugging Face's module names -> llama.cpp's tensor names: the loader's table, turned round.
 GGUF_NAMES = {hf: gguf for gguf, hf in (TOP_LEVEL_NAMES | PER_LAYER_NAMES).items()}
+
+
+# Where each format's float16 scales sit in a block (byte offsets; the rest are integers).
+SCALE_OFFSETS = {GGMLType.Q8_0: (0,), GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,),
+                 GGMLType.Q4_K: (0, 2), GGMLType.Q6_K: (208,)}
+
+
+def random_blocks(qtype: GGMLType, rows: int, cols: int, scale: float, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, row_bytes] of random blocks whose float16 scales lie in [scale / 2, scale]."""
+    fmt = FORMATS[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // fmt.numbers, fmt.block_bytes), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[qtype]:
+        scales = (rng.uniform(0.5, 1.0, size=blocks.shape[:2]) * scale).astype(np.float16)  # [rows, blocks]
+        blocks[..., offset:offset + 2] = scales[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def llamacpp_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -87,3 +108,55 @@ def tiny_gguf_file(qtype: GGMLType) -> str:
     source = tiny_llama_model_dir(2)
     shutil.copy(Path(source) / "config.json", folder / "config.json")
     return str(write_gguf(source, folder / f"tiny.{qtype.name}.gguf", qtype))
+
+
+def write_tiny_gemma3_gguf(target: Path, sliding_window: int = 8) -> Path:
+    """A tiny random Gemma 3 (6 layers: 5 local, 1 global; hidden 256, vocabulary 512) as the GGUF ``target``.
+
+    Its matrices are random blocks in a ``Q4_K_M`` file's mix, the norms float32 around 1 (llama.cpp
+    stores Gemma's norms as 1 + w), the head tied to a Q8_0 embedding. The scales keep the
+    activations of every layer of the order of 1, so greedy tokens are not all ties.
+    """
+    hidden, heads, kv_heads, head_dim, intermediate, layers, vocab = 256, 2, 1, 128, 512, 6, 512
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(target), "gemma3")
+    writer.add_block_count(layers)
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_sliding_window(sliding_window)
+    writer.add_vocab_size(vocab)
+
+    def matrix(name: str, qtype: GGMLType, rows: int, cols: int, scale: float) -> None:
+        kind = GGMLQuantizationType(int(qtype))
+        writer.add_tensor(name, random_blocks(qtype, rows, cols, scale, rng), raw_dtype=kind)
+
+    def norm(name: str, size: int) -> None:
+        writer.add_tensor(name, (1 + rng.uniform(-0.3, 0.3, size)).astype(np.float32))
+
+    matrix("token_embd.weight", GGMLType.Q8_0, vocab, hidden, 3e-4)
+    norm("output_norm.weight", hidden)
+    for layer in range(layers):
+        block = f"blk.{layer}"
+        matrix(f"{block}.attn_q.weight", GGMLType.Q5_0, heads * head_dim, hidden, 4e-3)
+        matrix(f"{block}.attn_k.weight", GGMLType.Q5_0, kv_heads * head_dim, hidden, 4e-3)
+        matrix(f"{block}.attn_v.weight", GGMLType.Q8_0, kv_heads * head_dim, hidden, 5e-4)
+        matrix(f"{block}.attn_output.weight", GGMLType.Q4_K, hidden, heads * head_dim, 2e-4)
+        matrix(f"{block}.ffn_gate.weight", GGMLType.Q4_K, intermediate, hidden, 2e-4)
+        matrix(f"{block}.ffn_up.weight", GGMLType.Q4_K, intermediate, hidden, 2e-4)
+        matrix(f"{block}.ffn_down.weight", GGMLType.Q6_K, hidden, intermediate, 2e-4)
+        for name in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            norm(f"{block}.{name}.weight", hidden)
+        for name in ("attn_q_norm", "attn_k_norm"):
+            norm(f"{block}.{name}.weight", head_dim)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target

@@ -25,8 +25,9 @@ rows (tokens) in the step:
   float32 (``gguf_linear``): the products are the reference's, in another
   order, and so are the greedy tokens. ``NANOENGINE_GGUF_ACTIVATIONS=q8``
   rounds them to 8 bits per block first, as llama.cpp does
-  (``gguf_linear_q8``): faster at batch 1 with AVX-512 (slower with AVX2,
-  and at batch 8), and it flips near-tie tokens (chapter 2 has the figures);
+  (``gguf_linear_q8``, written for Q8_0, Q4_0 and Q4_1): faster at batch 1
+  with AVX-512 (slower with AVX2, and at batch 8), and it flips near-tie
+  tokens (chapter 2 has the figures);
 * more rows (prefill): the weight dequantized to float32 for this call and an
   ordinary matmul; prefill is compute-bound, and a float product is the
   fastest there is.
@@ -51,6 +52,8 @@ from nanoengine.model_executor.layers.quantization.gguf_blocks import FORMATS, G
 
 # Steps with at most this many rows take the quantized GEMV; more rows dequantize.
 GEMV_MAX_ROWS = 8
+# The formats llama.cpp's 8-bit-activation GEMV is written for here; the others always take the float one.
+Q8_GEMV_FORMATS = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1)
 # What the GEMV does with the activations: "float32" (the default) or "q8" (llama.cpp's way).
 ACTIVATIONS_ENV = "NANOENGINE_GGUF_ACTIVATIONS"
 GEMV_ACTIVATIONS = ("float32", "q8")
@@ -104,7 +107,7 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLType, cols: i
     if rows.shape[0] <= GEMV_MAX_ROWS and use_kernels(qweight):
         float_bias = None if bias is None else bias.float()
         ops = load_cpu_ops()
-        gemv = ops.gguf_linear if activations == "float32" else ops.gguf_linear_q8
+        gemv = ops.gguf_linear_q8 if activations == "q8" and qtype in Q8_GEMV_FORMATS else ops.gguf_linear
         out = gemv(rows.float().contiguous(), qweight, int(qtype), float_bias, cols)
     else:
         weight = gguf_dequantize(qweight, qtype, cols).to(x.dtype)  # [rows, cols], this call only
