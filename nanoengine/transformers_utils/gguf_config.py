@@ -13,7 +13,9 @@ Two ways to ask for GGUF weights:
   once (a large vocabulary takes a minute or more to convert).
 * ``LLM(folder, quantization="gguf")``: a Hugging Face folder holding one
   ``.gguf`` beside its ``config.json`` -- ``scripts/prepare_model.py`` keeps
-  SmolLM2's that way, so the default model runs either way.
+  SmolLM2's that way, so the default model runs either way. A folder whose
+  only weights are one ``.gguf`` (the prepared ``gemma-3-270m``) needs no
+  flag: ``quantization="gguf"`` is inferred, as vLLM infers it from a path.
 
 Either way ``quantization="gguf"`` is what the engine records.
 """
@@ -34,7 +36,11 @@ def resolve_weights(model: str, quantization: str | None, load_format: str) -> t
     if quantization not in (None, *QUANTIZATION_METHODS):
         raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS}, got {quantization!r}.")
     if not is_gguf_path(model) and quantization is None:
-        return resolve_model_path(model, load_format), None
+        folder = resolve_model_path(model, load_format)
+        only_gguf = load_format == "auto" and not any(Path(folder).glob("*.safetensors"))
+        if only_gguf and len(list(Path(folder).glob(f"*{GGUF_SUFFIX}"))) == 1:
+            return folder, str(gguf_in_folder(folder))  # its weights are the GGUF: quantization="gguf"
+        return folder, None
     if load_format != "auto":
         raise ValueError(f"load_format={load_format!r} reads no weights; a GGUF model is its weights "
                          "(use load_format='auto').")
