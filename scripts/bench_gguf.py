@@ -20,7 +20,13 @@ libraries capped at AVX2 too):
   llama-bench llama-server``), ``llama-bench -p 0 -n 128`` and ``-p 1000 -n 0``
   on the same file and threads, and the ratios.
 
-    python scripts/bench_gguf.py [--llama-bench PATH] [--threads 2] [--repeats 3]
+    python scripts/bench_gguf.py [--llama-bench PATH] [--threads 2] [--repeats 3] [--model NAME]
+
+``--model gemma-3-270m`` (prepared with ``prepare_model.py gemma-3-270m``)
+measures Gemma 3 270M's Q4_K_M file instead; it has no float32 folder, so
+its table has no float32 row. Its K-quant and Q5_0 weights always take the
+float GEMV (the 8-bit one is written for Q8_0, Q4_0 and Q4_1), so its "x q8"
+row differs only in its Q8_0 weights: the tied head and v.
 
 vLLM 0.32 counterpart: none (vLLM's benchmarks do not compare llama.cpp).
 """
@@ -43,6 +49,7 @@ from nanoengine import LLM, SamplingParams
 from nanoengine.model_executor.layers.quantization import gguf as gguf_method
 from nanoengine.platforms.cpu import CPU_ISA_ENV, describe_cpu, isa_cap_environment, kernel_isa
 from nanoengine.renderers.hf import TokensPrompt
+from nanoengine.transformers_utils.config import resolve_model_path
 
 MODEL = "SmolLM2-135M-Instruct"
 DECODE_TOKENS = 128
@@ -160,26 +167,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=50)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--model", default=MODEL, help=f"a prepared model with a GGUF (default {MODEL})")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{describe_cpu()}; kernel variant {kernel_isa()}")
     common = {"dtype": "float32", "enable_prefix_caching": False, "max_model_len": 2048}
-    float32 = LLM(MODEL, **common)
-    table = {"float32": speeds(float32, args.repeats)}
-    del float32
-    gc.collect()
+    table = {}
+    if any(Path(resolve_model_path(args.model)).glob("*.safetensors")):
+        float32 = LLM(args.model, **common)
+        table["float32"] = speeds(float32, args.repeats)
+        del float32
+        gc.collect()
     tokens: dict[str, list[list[int]]] = {}
     for activations in gguf_method.GEMV_ACTIVATIONS:
         os.environ[gguf_method.ACTIVATIONS_ENV] = activations  # read when the model is built
-        blocks = LLM(MODEL, quantization="gguf", **common)
-        name = f"gguf Q4_1, x {activations}"
+        blocks = LLM(args.model, quantization="gguf", **common)
+        name = f"gguf, x {activations}"
         table[name] = speeds(blocks, args.repeats)
         prompts = english_prompts(blocks, args.prompts)
         tokens[name] = greedy(blocks, prompts, args.tokens)
         del blocks
         gc.collect()  # one engine at a time: a second forward thread halves batch 1 (chapter 7, OpenMP pools)
     with gguf_method.torch_reference_only():
-        blocks = LLM(MODEL, quantization="gguf", **common)
+        blocks = LLM(args.model, quantization="gguf", **common)
         reference = greedy(blocks, prompts, args.tokens)
         lines = [agreement(name, fast, reference, divergence_gaps(blocks, prompts, fast, reference))
                  for name, fast in tokens.items()]
