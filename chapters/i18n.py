@@ -103,6 +103,8 @@ def headings() -> list[tuple[re.Pattern[str], str]]:
         (r"6\. Tensor parallelism: (.+) on (\d+) ranks", f"6. {t('tensor parallelism')}：{{0}} 跑在 {{1}} 个 {t('rank')}上"),
         (r"6\.1 The worker processes", f"6.1 {t('worker')} 进程"),
         (r"6\.2 Every weight, and each rank's slice of it", "6.2 每个权重，以及每个 rank 分到的切片"),
+        (r"1\. One model, three ways: load, weights, speed", "1. 同一个模型，三种加载方式：加载、权重、速度"),
+        (r"2\. The quantized model's memory, by kind and format", "2. 量化模型的内存，按种类和格式分"),
         (r"6\.3 The collectives of each step", f"6.3 每一步的集合通信：{t('all-reduce')} 与 {t('all-gather')}"),
         # chapter 7
         (r"1-5\. The engine loop, unrolled \(a 64-token budget: long prompts are chunked\)",
@@ -185,6 +187,11 @@ def introductions() -> dict[str, str]:
             f"第 6 章：LLM(...) 的构造，逐步计时；{t('memory profiling')}之后剩下的内存给 {t('KV cache')}，"
             f"它决定能同时服务多少请求。加 --tensor-parallel-size N 时改看{t('tensor parallelism')}："
             f"{t('executor')}、每个 {t('rank')}分到的权重切片、每一步的 {t('all-reduce')}。"
+        ),
+        "chapters.ch06_quantized": (
+            f"第 6 章：同一个模型的三种加载方式——float32、bf16（CPU 有快速 bf16 指令时）和 GGUF {t('block')}——"
+            f"各自的加载时间、权重字节数、batch 1 的 {t('decode')} 和 {t('prefill')} 速度；"
+            "再按种类和格式数一数量化模型留在内存里的权重。"
         ),
         "chapters.ch07_generate": (
             f"第 7 章：generate(...) 与{t('engine loop')}。把一步拆成几个阶段，模拟 {t('CUDA Graph')} 的分发，"

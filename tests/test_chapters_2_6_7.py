@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,41 @@ def test_ch07_steps_dispatcher_and_padded_graph_path(tiny_llama: str, capsys: py
     out = capsys.readouterr().out
     assert "attention metadata" in out and "padded to the graph of 4" in out
     assert "scheduled while the previous step ran" in out
+
+
+def test_ch06_quantized_loads_one_model_each_way_and_counts_its_blocks(
+    tiny_llama: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder with float weights and a Q4_1 GGUF beside them: every way measured (bf16 only where the
+    CPU multiplies it fast), the GGUF engine's weights counted by kind and format, summing to what it
+    keeps; a folder with only the GGUF skips the float ways, saying why."""
+    from chapters import ch06_quantized
+    from chapters.grade_checks.tiny_gguf import write_gguf
+    from nanoengine.model_executor.layers.quantization.gguf_blocks import GGMLType
+    from nanoengine.platforms.cpu import cpu_bf16_features
+
+    both = tmp_path / "both"
+    shutil.copytree(tiny_llama, both)
+    write_gguf(tiny_llama, both / "tiny.Q4_1.gguf", GGMLType.Q4_1)
+    result = ch06_quantized.main(["--model", str(both), "--tokens", "4"])
+    ways = {way.name: way for way in result.ways}
+    fast_bf16 = cpu_bf16_features().fast_bf16
+    assert [name for name, way in ways.items() if not way.skipped] == (
+        ["float32", "bfloat16", "GGUF blocks, bf16 around", "GGUF blocks"] if fast_bf16 else ["float32", "GGUF blocks"])
+    assert all(way.decode_tokens_per_s > 0 and way.prefill_tokens_per_s > 0 and len(way.tokens) == 4
+               for way in ways.values() if not way.skipped)
+    assert sum(group.bytes for group in result.groups) == ways["GGUF blocks"].weights_bytes
+    matrices = next(g for g in result.groups if g.kind == "layer matrices")
+    assert (matrices.storage, matrices.bytes * 8 / matrices.numbers) == ("Q4_1 blocks", 5.0)
+    assert ways["GGUF blocks"].weights_bytes < ways["float32"].weights_bytes / 3
+    out = capsys.readouterr().out
+    assert "2. The quantized model's memory, by kind and format" in out and "Q4_1 blocks" in out
+
+    only_gguf = tmp_path / "only-gguf"
+    only_gguf.mkdir()
+    for item in both.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, only_gguf / item.name)
+    result = ch06_quantized.run(str(only_gguf), tokens=2)
+    assert [way.skipped.startswith("the folder has no float checkpoint") for way in result.ways[:2]] == [True, True]
+    assert result.ways[-1].name == "GGUF blocks" and not result.ways[-1].skipped
