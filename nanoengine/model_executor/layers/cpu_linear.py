@@ -228,9 +228,12 @@ def process_weights_after_loading(model: nn.Module, backend: str) -> int:
     Runs once, after ``load_weights``: packing must see the final weights, and
     nothing may load into a packed weight afterwards.
     """
+    # A quantized layer keeps its blocks: its method has a fast path of its own, picked now.
+    for module in model.modules():
+        if isinstance(module, PackableLinear) and module.quant_method is not None:
+            module.quant_method.process_weights_after_loading(module)
     if backend == "torch":
         return 0
-    # A quantized layer keeps its blocks: its method has a fast path of its own.
     layers = [m for m in model.modules() if isinstance(m, PackableLinear) and m.quant_method is None]
     for layer in layers:
         layer.pack(backend)

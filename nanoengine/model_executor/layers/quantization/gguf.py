@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +163,8 @@ class GGUFLinearMethod(QuantizeMethodBase):
         self.qtype = qtype
         self.cols = 0  # the float matrix's columns (set by create_weights)
         self.activations = gemv_activations()  # read once, at load: a bad value fails LLM(...)
+        # The C++ GEMV this layer's decode steps call directly; None: no kernels for this weight.
+        self.gemv: Callable[..., torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         return f"gguf {self.qtype.name}"
@@ -170,7 +172,18 @@ class GGUFLinearMethod(QuantizeMethodBase):
     def create_weights(self, layer: nn.Module) -> None:
         self.cols = replace_by_blocks(layer, self.qtype)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if use_kernels(layer_weight(layer)):
+            ops = load_cpu_ops()
+            q8 = self.activations == "q8" and self.qtype in Q8_GEMV_FORMATS
+            self.gemv = ops.gguf_linear_q8 if q8 else ops.gguf_linear
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # A float32 decode step goes straight to the kernel: at batch 1 a decode step makes
+        # 121 of these calls (SmolLM2), and gguf_matmul's reshapes and checks cost each ~10 us.
+        if (self.gemv is not None and _kernels_allowed and x.dtype == torch.float32 and x.dim() == 2
+                and x.shape[0] <= GEMV_MAX_ROWS and x.is_contiguous()):
+            return self.gemv(x, layer.weight, int(self.qtype), bias, self.cols)
         return gguf_matmul(x, layer_weight(layer), self.qtype, self.cols, bias, self.activations)
 
 
