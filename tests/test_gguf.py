@@ -28,7 +28,7 @@ from nanoengine.model_executor.layers.quantization import gguf as gguf_method
 from nanoengine.model_executor.layers.quantization.gguf_blocks import (
     FORMATS,
     GGMLType,
-    dequantize,
+    dequantize_blocks,
     row_bytes,
     to_q8_0,
 )
@@ -55,7 +55,7 @@ def test_the_reference_dequantizer_reads_blocks_as_ggml_does(qtype: GGMLType) ->
     blocks, cols = some_blocks(qtype, 5)
     assert blocks.shape == (5, row_bytes(qtype, cols))
     expected = quants.dequantize(blocks.numpy(), GGMLQuantizationType(int(qtype)))  # gguf's numpy port of ggml
-    assert torch.equal(dequantize(blocks, qtype), torch.from_numpy(expected))
+    assert torch.equal(dequantize_blocks(blocks, qtype), torch.from_numpy(expected))
 
 
 @needs_kernels
@@ -66,7 +66,7 @@ def test_gguf_kernel_dequantize_and_linear_against_the_reference(qtype: GGMLType
     bits per block), for 1 to 17 rows and a bias."""
     ops = load_cpu_ops()
     blocks, cols = some_blocks(qtype, 200)
-    reference = dequantize(blocks, qtype)  # [200, cols]
+    reference = dequantize_blocks(blocks, qtype)  # [200, cols]
     assert torch.equal(ops.gguf_dequantize(blocks, int(qtype), cols), reference)
     bias = torch.randn(200)
     for rows in (1, 3, 8, 9, 17):  # one pass, several passes of 8 rows
@@ -95,8 +95,8 @@ def test_fused_parts_of_other_formats_become_q8_0(qtype: GGMLType) -> None:
     """Exactly from Q4_0 and Q5_0 (and Q8_0 itself); from the others within ~half a Q8_0 step
     (max|x| / 127 of its block of 32, its float16 scale rounding a little more)."""
     blocks, _ = some_blocks(qtype, 16)
-    before = dequantize(blocks, qtype)  # [16, cols]
-    after = dequantize(to_q8_0(blocks, qtype), GGMLType.Q8_0)
+    before = dequantize_blocks(blocks, qtype)  # [16, cols]
+    after = dequantize_blocks(to_q8_0(blocks, qtype), GGMLType.Q8_0)
     if qtype in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q5_0):
         assert torch.equal(after, before)
     else:

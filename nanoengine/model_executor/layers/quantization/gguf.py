@@ -33,7 +33,7 @@ rows (tokens) in the step:
   fastest there is.
 
 Without the C++ kernels, both are the torch reference: ``gguf_blocks.
-dequantize`` and ``F.linear``, exact to float32 rounding.
+dequantize_blocks`` and ``F.linear``, exact to float32 rounding.
 """
 
 from __future__ import annotations
@@ -48,7 +48,12 @@ from torch import nn
 
 from nanoengine._custom_ops import cpu_ops_available, load_cpu_ops
 from nanoengine.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
-from nanoengine.model_executor.layers.quantization.gguf_blocks import FORMATS, GGMLType, dequantize, row_bytes
+from nanoengine.model_executor.layers.quantization.gguf_blocks import (
+    FORMATS,
+    GGMLType,
+    dequantize_blocks,
+    row_bytes,
+)
 
 # Steps with at most this many rows take the quantized GEMV; more rows dequantize.
 GEMV_MAX_ROWS = 8
@@ -65,7 +70,7 @@ _kernels_allowed = True
 
 @contextlib.contextmanager
 def torch_reference_only() -> Iterator[None]:
-    """Inside, GGUF layers multiply as the torch reference does (``dequantize``, then ``F.linear``),
+    """Inside, GGUF layers multiply as the torch reference does (``dequantize_blocks``, then ``F.linear``),
     built kernels or not: the path every kernel is tested against. Chapter 2's benchmark compares
     the kernels' tokens with it, and exercise 2.1's end-to-end check runs on it."""
     global _kernels_allowed
@@ -94,7 +99,7 @@ def gguf_dequantize(qweight: torch.Tensor, qtype: GGMLType, cols: int) -> torch.
     if use_kernels(qweight):
         out: torch.Tensor = load_cpu_ops().gguf_dequantize(qweight, int(qtype), cols)
         return out
-    return dequantize(qweight, qtype)
+    return dequantize_blocks(qweight, qtype)
 
 
 def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLType, cols: int,

@@ -52,8 +52,9 @@ Q8_0 step (``max|x| / 254`` of its block of 32).
 
 In memory a quantized weight stays what the file holds: a uint8 tensor
 [rows, blocks_per_row * bytes_per_block], so a row slice is a slice of the
-tensor (``row_bytes``). ``dequantize`` is the reference every fast path is
-tested against (``csrc/cpu/gguf.cpp``); it follows the tables above and
+tensor (``row_bytes``). ``dequantize`` (the first table's formats) and
+``dequantize_blocks`` (every format) are the reference every fast path is
+tested against (``csrc/cpu/gguf.cpp``); they follow the tables above and
 nothing else.
 """
 
@@ -120,8 +121,6 @@ def bits_per_weight(qtype: GGMLType) -> float:
 
 def dequantize(qweight: torch.Tensor, qtype: GGMLType) -> torch.Tensor:
     """uint8 [rows, row_bytes] blocks -> float32 [rows, cols], by the table of this module."""
-    if qtype in _MORE_FORMATS:  # the formats after the first three
-        return _MORE_FORMATS[qtype](qweight.reshape(qweight.shape[0], -1, FORMATS[qtype].block_bytes))
     fmt = FORMATS[qtype]
     rows = qweight.shape[0]
     blocks = qweight.reshape(rows, -1, fmt.block_bytes)  # [rows, blocks, block_bytes]
@@ -139,6 +138,14 @@ def dequantize(qweight: torch.Tensor, qtype: GGMLType) -> torch.Tensor:
 def _half(two_bytes: torch.Tensor) -> torch.Tensor:
     """Little-endian float16 stored as two uint8 -> float32, keeping a trailing axis of 1."""
     return two_bytes.contiguous().view(torch.float16).float()  # [..., 1]
+
+
+def dequantize_blocks(qweight: torch.Tensor, qtype: GGMLType) -> torch.Tensor:
+    """Blocks of any format kept here -> float32 [rows, cols]: Q8_0, Q4_0 and Q4_1 through
+    ``dequantize`` (exercise 2.1), Q5_0 and the K-quants through their own readers below."""
+    if qtype in _MORE_FORMATS:
+        return _MORE_FORMATS[qtype](qweight.reshape(qweight.shape[0], -1, FORMATS[qtype].block_bytes))
+    return dequantize(qweight, qtype)
 
 
 def _dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -179,7 +186,7 @@ def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return values.reshape(rows, -1)  # [rows, cols]
 
 
-# dequantize's readers for the formats after the first three (a K-quant's blocks are super-blocks).
+# dequantize_blocks's readers for the formats after the first three (a K-quant's blocks are super-blocks).
 _MORE_FORMATS = {GGMLType.Q5_0: _dequantize_q5_0, GGMLType.Q4_K: _dequantize_q4_k, GGMLType.Q6_K: _dequantize_q6_k}
 
 
@@ -198,11 +205,11 @@ def to_q8_0(weight: torch.Tensor, qtype: GGMLType | None) -> torch.Tensor:
         rows, fmt = weight.shape[0], FORMATS[qtype]
         blocks = weight.reshape(rows, -1, fmt.block_bytes)  # [rows, blocks, block_bytes]
         d = blocks[..., 0:2]  # [rows, blocks, 2]: the fp16 scale, unchanged
-        values = dequantize(weight, qtype).reshape(rows, -1, BLOCK)  # [rows, blocks, 32]
+        values = dequantize_blocks(weight, qtype).reshape(rows, -1, BLOCK)  # [rows, blocks, 32]
         q = torch.round(values / _half(d)).to(torch.int8)  # q - offset, exactly (d != 0)
         q = torch.where(_half(d) == 0, torch.zeros_like(q), q)  # a zero block: d = 0, every number 0
         return torch.cat([d, q.view(torch.uint8)], dim=-1).reshape(rows, -1)  # [rows, blocks * 34]
-    return quantize_q8_0(weight.float() if qtype is None else dequantize(weight, qtype))
+    return quantize_q8_0(weight.float() if qtype is None else dequantize_blocks(weight, qtype))
 
 
 def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
