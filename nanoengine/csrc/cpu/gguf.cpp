@@ -196,6 +196,14 @@ inline void dequantize_block(const uint8_t* block, int piece, FloatVec* w) {
 }
 #endif
 
+// Numbers 32 b .. 32 b + 31 of a row of blocks -> w[kVecsPerBlock] (b counts
+// pieces of 32 along the row: a K-quant row's piece 9 is block 1's piece 1).
+template <int64_t QTYPE>
+inline void dequantize_piece(const uint8_t* row, int64_t b, FloatVec* w) {
+  constexpr int64_t per_block = kPiecesPerBlock<QTYPE>;
+  dequantize_block<QTYPE>(row + b / per_block * kBlockBytes<QTYPE>, static_cast<int>(b % per_block), w);
+}
+
 inline float sum_lanes(FloatVec v) {
   float total = 0.f;
   for (int i = 0; i < kLanes; ++i) total += v[i];
@@ -210,13 +218,12 @@ inline float sum_lanes(FloatVec v) {
 // accumulator per row -- a fifth more instructions, but no spill to memory.
 template <int64_t QTYPE, int ROWS>
 void dot_row_float(const uint8_t* w, int64_t pieces, const float* x, int64_t cols, float* out) {
-  constexpr int64_t bytes = kBlockBytes<QTYPE>, per_block = kPiecesPerBlock<QTYPE>;
   constexpr bool direct = (ROWS + 1) * kVecsPerBlock + 2 <= kVectorRegisters;
   constexpr int per_row = direct ? kVecsPerBlock : 1;
   FloatVec acc[ROWS][per_row] = {};
   FloatVec wv[kVecsPerBlock];
   for (int64_t b = 0; b < pieces; ++b) {
-    dequantize_block<QTYPE>(w + b / per_block * bytes, static_cast<int>(b % per_block), wv);
+    dequantize_piece<QTYPE>(w, b, wv);
     for (int m = 0; m < ROWS; ++m) {
       const float* xb = x + m * cols + b * kBlock;
       if constexpr (direct) {
@@ -251,9 +258,7 @@ at::Tensor gguf_dequantize(at::Tensor qweight, int64_t qtype, int64_t cols) {
       FloatVec numbers[kVecsPerBlock];
       for (int64_t r = begin; r < end; ++r) {
         for (int64_t b = 0; b < pieces; ++b) {
-          constexpr int64_t per_block = kPiecesPerBlock<format()>;
-          dequantize_block<format()>(w + r * bytes_per_row + b / per_block * kBlockBytes<format()>,
-                                     static_cast<int>(b % per_block), numbers);
+          dequantize_piece<format()>(w + r * bytes_per_row, b, numbers);
           std::memcpy(o + r * cols + b * kBlock, numbers, sizeof(numbers));
         }
       }

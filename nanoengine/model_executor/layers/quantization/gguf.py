@@ -102,6 +102,12 @@ def gguf_dequantize(qweight: torch.Tensor, qtype: GGMLType, cols: int) -> torch.
     return dequantize_blocks(qweight, qtype)
 
 
+def gemv_kernel(qtype: GGMLType, activations: str) -> Callable[..., torch.Tensor]:
+    """The C++ GEMV for ``qtype``: llama.cpp's 8-bit one when asked for and written for the format."""
+    ops = load_cpu_ops()
+    return ops.gguf_linear_q8 if activations == "q8" and qtype in Q8_GEMV_FORMATS else ops.gguf_linear
+
+
 def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLType, cols: int,
                 bias: torch.Tensor | None, activations: str = "float32") -> torch.Tensor:
     """``x @ W^T (+ bias)`` with ``W`` in blocks: x [..., cols] -> [..., rows], in x's dtype.
@@ -111,9 +117,7 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLType, cols: i
     rows = x.reshape(-1, cols)  # [num_tokens, cols]
     if rows.shape[0] <= GEMV_MAX_ROWS and use_kernels(qweight):
         float_bias = None if bias is None else bias.float()
-        ops = load_cpu_ops()
-        gemv = ops.gguf_linear_q8 if activations == "q8" and qtype in Q8_GEMV_FORMATS else ops.gguf_linear
-        out = gemv(rows.float().contiguous(), qweight, int(qtype), float_bias, cols)
+        out = gemv_kernel(qtype, activations)(rows.float().contiguous(), qweight, int(qtype), float_bias, cols)
     else:
         weight = gguf_dequantize(qweight, qtype, cols).to(x.dtype)  # [rows, cols], this call only
         out = F.linear(rows, weight, bias)
@@ -150,13 +154,11 @@ class GGUFConfig(QuantizationConfig):
 
     def type_of(self, param_name: str) -> GGMLType | None:
         """The block format of a model parameter; None if it is float. The checkpoint
-        weights a fused parameter is made of must share one format."""
+        weights a fused parameter is made of share one format: ``gguf_config`` made
+        any that differed in the file Q8_0 (``to_q8``)."""
         sources = self.checkpoint_names.get(param_name, [param_name])
         types = {self.weight_types[name] for name in sources if name in self.weight_types}
-        if len(types) > 1:
-            listed = ", ".join(f"{name}: {self.weight_types[name].name}" for name in sources)
-            raise ValueError(f"{param_name} fuses weights of different GGUF types ({listed}); one layer keeps "
-                             "one block format.")
+        assert len(types) <= 1, f"{param_name} fuses weights of different GGUF types: {sorted(types)}"
         qtype = types.pop() if types else None
         return qtype if qtype in FORMATS else None
 
@@ -179,9 +181,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if use_kernels(layer_weight(layer)):
-            ops = load_cpu_ops()
-            q8 = self.activations == "q8" and self.qtype in Q8_GEMV_FORMATS
-            self.gemv = ops.gguf_linear_q8 if q8 else ops.gguf_linear
+            self.gemv = gemv_kernel(self.qtype, self.activations)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # A float32 decode step goes straight to the kernel: at batch 1 a decode step makes
